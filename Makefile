@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch lies on this machine's disk; GPU users override TORCH_SPEC.
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+CONFIG ?= router.toml
+
+.PHONY: install serve test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/router serve --config $(CONFIG)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

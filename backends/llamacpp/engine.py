@@ -1,0 +1,218 @@
+"""llama-cpp-python as an Engine: one ``Llama`` per model, one worker thread, one queue.
+
+llama.cpp's context holds one sequence here, so requests run one after another, in the order of
+a priority queue (lower ``priority`` first, then arrival). Each request reuses the longest prefix
+of its prompt that is still in the KV cache from the request before it; that count is reported as
+``cached_tokens``. Sampling is ours (:mod:`.sampler`), so every knob means what it means on the
+torch engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import llama_cpp
+import numpy as np
+
+from router.engine import EngineError, EngineRequest, EngineStep
+
+from .sampler import Sampler
+from .tokenizer import LlamaCppTokenizer
+
+log = logging.getLogger("router.llamacpp")
+
+CAPABILITIES = frozenset(
+    {
+        "logprobs",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "priority",
+        "seed",
+    }
+)
+
+
+@dataclass(eq=False)
+class _Job:
+    request: EngineRequest
+    loop: asyncio.AbstractEventLoop
+    steps: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+
+    def emit(self, item: EngineStep | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.steps.put_nowait, item)
+
+
+class LlamaCppEngine:
+    """Runs one GGUF model with llama.cpp on a dedicated thread."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        n_ctx: int,
+        n_threads: int | None,
+        n_threads_batch: int | None,
+        n_batch: int,
+    ) -> None:
+        self._llm = llama_cpp.Llama(
+            model_path=model_path,
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_ubatch=n_batch,
+            n_threads=n_threads,
+            n_threads_batch=n_threads_batch,
+            logits_all=False,
+            verbose=False,
+        )
+        self._ctx = self._llm._ctx
+        self._n_batch = n_batch
+        self.tokenizer = LlamaCppTokenizer(self._llm)
+        self.chat_template: str | None = self._llm.metadata.get("tokenizer.chat_template")
+        self.max_model_len = self._llm.n_ctx()
+        self.capabilities = CAPABILITIES
+        self._n_vocab = self._llm.n_vocab()
+        self._cached: list[int] = []  # tokens whose KV is in the context, in order
+        self._heap: list[tuple[int, float, int, _Job]] = []
+        self._order = itertools.count()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.running: _Job | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._worker, name="llamacpp-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        with self._cv:
+            self._closing = True
+            for *_, job in self._heap:
+                job.cancelled = True
+            self._cv.notify_all()
+        if self.running is not None:
+            self.running.cancelled = True
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._llm.close()
+
+    @property
+    def queued(self) -> int:
+        return len(self._heap)
+
+    # --- asyncio side ---------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        job = _Job(request, asyncio.get_running_loop())
+        with self._cv:
+            if self._closing:
+                raise EngineError("the engine is shutting down")
+            heapq.heappush(self._heap, (request.priority, request.arrival, next(self._order), job))
+            self._cv.notify()
+        try:
+            while True:
+                item = await job.steps.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            # Client gone, stop string found, or done: the worker drops it at its next step.
+            job.cancelled = True
+
+    # --- worker thread --------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    return
+                *_, job = heapq.heappop(self._heap)
+            if job.cancelled:
+                continue
+            self.running = job
+            try:
+                self._run(job)
+            except Exception as exc:  # noqa: BLE001 - reported to the request, engine lives on
+                log.exception("request %s failed", job.request.request_id)
+                self._cached = []
+                job.emit(EngineError(str(exc)))
+            finally:
+                self.running = None
+
+    def _eval(self, tokens: list[int]) -> None:
+        llm = self._llm
+        llm.n_tokens = len(self._cached)
+        llm.eval(tokens)
+        self._cached.extend(tokens)
+
+    def _run(self, job: _Job) -> None:
+        req = job.request
+        prompt = req.prompt_ids
+        # Keep the longest prefix already in the KV cache; always evaluate at least one token
+        # so that there are fresh logits to sample from.
+        keep = 0
+        for a, b in zip(self._cached, prompt):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(prompt) - 1)
+        if not self._ctx.kv_cache_seq_rm(-1, keep, -1):
+            keep = 0
+            self._ctx.kv_cache_seq_rm(-1, 0, -1)
+        del self._cached[keep:]
+        rest = prompt[keep:]
+        for i in range(0, len(rest), self._n_batch):
+            if job.cancelled:
+                return
+            self._eval(rest[i : i + self._n_batch])
+        tok = self.tokenizer
+        eos = frozenset() if req.ignore_eos else tok.eos_token_ids
+        sampler = Sampler(
+            req.sampling,
+            tok.vocab_size,
+            prompt,
+            min_tokens=req.min_tokens,
+            suppress_until_min=tok.eos_token_ids | req.stop_token_ids,
+        )
+        first = True
+        for n in range(1, req.max_tokens + 1):
+            if job.cancelled:
+                return
+            logits = np.ctypeslib.as_array(self._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
+            token, logprobs = sampler.sample(logits)
+            finish = stop_token = None
+            if token in req.stop_token_ids:
+                finish, stop_token = "stop", token
+            elif token in eos:
+                finish = "stop"
+            elif n == req.max_tokens or len(self._cached) + 1 >= self.max_model_len:
+                finish = "length"
+            job.emit(
+                EngineStep(
+                    [token],
+                    [logprobs] if logprobs is not None else None,
+                    finish,
+                    stop_token,
+                    keep if first else None,
+                )
+            )
+            first = False
+            if finish is not None:
+                return
+            self._eval([token])

@@ -1,0 +1,64 @@
+"""Sampling extras beyond the OpenAI set (vLLM's names).
+
+``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output`` and ``return_token_ids``. Each one the request
+actually uses is declared as a capability the model must have, so a backend that cannot honour
+it answers 400 instead of ignoring it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from msgspec import Meta
+
+from router.hookspecs import RequestField, hookimpl
+
+
+@hookimpl
+def request_fields() -> list[RequestField]:
+    return [
+        RequestField("top_k", Annotated[int, Meta(ge=-1)] | None, None,
+                     description="Sample from the k most likely tokens; 0 or -1 turns it off."),
+        RequestField("min_p", Annotated[float, Meta(ge=0.0, le=1.0)] | None, None,
+                     description="Drop tokens less likely than min_p times the most likely one."),
+        RequestField("repetition_penalty", Annotated[float, Meta(gt=0.0, le=2.0)] | None, None,
+                     description="Divide logits of tokens seen in prompt or output (>1 discourages)."),
+        RequestField("min_tokens", Annotated[int, Meta(ge=0)] | None, None,
+                     description="Generate at least this many tokens before EOS or stop tokens."),
+        RequestField("ignore_eos", bool | None, None,
+                     description="Keep generating past the end-of-sequence token."),
+        RequestField("stop_token_ids", list[Annotated[int, Meta(ge=0)]] | None, None,
+                     description="Token ids that end the sequence (not shown in the output)."),
+        RequestField("include_stop_str_in_output", bool | None, None,
+                     description="Keep the matched stop string at the end of the output."),
+        RequestField("return_token_ids", bool | None, None,
+                     description="Also return prompt_token_ids and each choice's token_ids."),
+    ]
+
+
+@hookimpl
+def prepare_request(request: Any, model: Any, params: Any, endpoint: str) -> None:
+    s = params.sampling
+    if request.top_k not in (None, 0, -1):
+        s.top_k = request.top_k
+        params.require("top_k", "top_k")
+    if request.min_p:
+        s.min_p = request.min_p
+        params.require("min_p", "min_p")
+    if request.repetition_penalty not in (None, 1.0):
+        s.repetition_penalty = request.repetition_penalty
+        params.require("repetition_penalty", "repetition_penalty")
+    if request.min_tokens:
+        params.min_tokens = request.min_tokens
+        params.require("min_tokens", "min_tokens")
+    if request.ignore_eos:
+        params.ignore_eos = True
+        params.require("ignore_eos", "ignore_eos")
+    if request.stop_token_ids:
+        params.stop_token_ids = frozenset(request.stop_token_ids)
+        params.require("stop_token_ids", "stop_token_ids")
+    if request.include_stop_str_in_output:
+        params.include_stop_str_in_output = True
+    if request.return_token_ids:
+        params.return_token_ids = True

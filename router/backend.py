@@ -1,0 +1,135 @@
+"""Backend types: what turns one ``[[models]]`` entry of router.toml into a served model.
+
+A plugin registers backend classes with the ``register_backends`` hook. Two bases:
+
+- :class:`LocalBackend` for engines that run here (llama.cpp, torch): implement
+  :meth:`LocalBackend.create_engine` and the shared serving pipeline does the rest.
+- :class:`Backend` for anything that answers whole requests itself (the remote relay).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, ClassVar, Union
+
+from .config import ModelConfig, resolve_path
+from .engine import Engine
+from .errors import Unavailable
+from .params import GenerationParams
+
+log = logging.getLogger("router.backend")
+
+Reply = Union[bytes, AsyncIterator[bytes]]
+"""A JSON body, or the already framed events of a Server-Sent Events stream."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What plugins see of the model a request is for."""
+
+    name: str
+    backend: str
+    capabilities: frozenset[str]
+    max_model_len: int | None
+    config: ModelConfig
+
+
+class Backend(abc.ABC):
+    """One served model. Subclass, set ``Config`` to the options it takes, register it."""
+
+    Config: ClassVar[type[ModelConfig]] = ModelConfig
+
+    def __init__(self, config: ModelConfig, base_dir: Path = Path(".")) -> None:
+        self.config = config
+        self.base_dir = base_dir
+        self.state = "loading"  # loading | ready | failed | stopped
+        self.error: str | None = None
+        self.capabilities: frozenset[str] = frozenset()
+        self.max_model_len: int | None = config.max_model_len
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            self.name, self.config.backend, self.capabilities, self.max_model_len, self.config
+        )
+
+    async def start(self) -> None:
+        """Load whatever the model needs; the router calls it once, in the background."""
+        self.state = "ready"
+
+    async def stop(self) -> None:
+        self.state = "stopped"
+
+    def check_ready(self) -> None:
+        if self.state != "ready":
+            why = f": {self.error}" if self.error else ""
+            raise Unavailable(
+                f"Model `{self.name}` is {self.state}{why}.",
+                param="model",
+                code="model_not_ready",
+                headers={"Retry-After": "5"},
+            )
+
+    @abc.abstractmethod
+    async def chat(self, request: Any, params: GenerationParams) -> Reply:
+        """Answer a decoded ``/v1/chat/completions`` request."""
+
+    @abc.abstractmethod
+    async def complete(self, request: Any, params: GenerationParams) -> Reply:
+        """Answer a decoded ``/v1/completions`` request."""
+
+
+class LocalBackend(Backend):
+    """A model served by an in-process :class:`~router.engine.Engine` through the shared
+    pipeline (template, tokenize, detokenize, stop strings, usage, chunks)."""
+
+    engine: Engine
+
+    @abc.abstractmethod
+    def create_engine(self) -> Engine:
+        """Build the engine (may block: it runs in a worker thread)."""
+
+    async def start(self) -> None:
+        from .templates import ChatTemplate
+
+        self.engine = await asyncio.to_thread(self.create_engine)
+        await self.engine.start()
+        tok = self.engine.tokenizer
+        source = self.engine.chat_template
+        if self.config.chat_template is not None:
+            source = resolve_path(self.config.chat_template, self.base_dir).read_text("utf-8")
+        self.template = (
+            ChatTemplate(source, bos_token=tok.bos_token, eos_token=tok.eos_token)
+            if source
+            else None
+        )
+        self.capabilities = frozenset(self.engine.capabilities)
+        self.max_model_len = self.engine.max_model_len
+        self.state = "ready"
+
+    async def stop(self) -> None:
+        if self.state == "ready":
+            await self.engine.stop()
+        self.state = "stopped"
+
+    async def chat(self, request: Any, params: GenerationParams) -> Reply:
+        from . import serving
+
+        return await serving.chat(self, request, params)
+
+    async def complete(self, request: Any, params: GenerationParams) -> Reply:
+        from . import serving
+
+        return await serving.complete(self, request, params)

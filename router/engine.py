@@ -1,0 +1,119 @@
+"""What a local engine is: token ids in, token ids out.
+
+Everything textual (chat template, tokenizing, detokenizing, stop strings, usage, chunk shapes)
+lives in the shared serving pipeline; an engine only schedules and samples. The llama.cpp and torch
+backends implement :class:`Engine`; third-party packages can too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The model's vocabulary, as the serving pipeline needs it."""
+
+    vocab_size: int
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: frozenset[int]
+    """Token ids that end generation (EOS and end-of-turn tokens)."""
+    special_tokens: frozenset[str]
+    """Texts of control tokens, so that user-written copies can be kept as plain text."""
+
+    def encode(self, text: str, *, add_special_tokens: bool, parse_special: bool = True) -> list[int]:
+        """Text to ids. ``parse_special=False`` tokenizes control-token text as ordinary text."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Ids to text, control tokens skipped, invalid UTF-8 as U+FFFD."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (may be part of a UTF-8 character)."""
+        ...
+
+    def token_str(self, token_id: int) -> str:
+        """The vocabulary's own spelling of a token (e.g. ``Ġhello``), for ``/tokenize``."""
+        ...
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token. Defaults mean "plain sampling from the model"."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob plus the top k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One sequence to generate. ``n > 1`` is several EngineRequests."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the chosen token and the ``k`` most likely alternatives."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class EngineStep:
+    """What one engine step produced for one request."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_token: int | None = None  # the stop_token_ids member that ended it, if any
+    cached_tokens: int | None = None  # set on the first step: prompt tokens not recomputed
+
+
+class EngineError(Exception):
+    """The engine failed a request after accepting it (reaches the client as an error event)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A local inference engine. One per served model."""
+
+    tokenizer: Tokenizer
+    chat_template: str | None
+    max_model_len: int
+    capabilities: frozenset[str]
+    """Extras it honours beyond plain sampling: "logprobs", "top_k", "min_p", "seed", ..."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        """Stream the request's steps. Closing the iterator early aborts the request and frees
+        its memory at once; the last step carries ``finish_reason``."""
+        ...

@@ -1,0 +1,54 @@
+"""What one request asks the serving pipeline for, after every plugin has had its say.
+
+The frontend fills a :class:`GenerationParams` from the core OpenAI fields; then each plugin's
+``prepare_request`` hook turns its own fields into entries here. Backends read only this object,
+never the wire request, except the remote backend, which forwards the request itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine import SamplingParams
+from .errors import BadRequest
+
+
+@dataclass(slots=True)
+class GenerationParams:
+    """Everything the pipeline needs to serve one request."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    priority: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    echo: bool = False
+    return_token_ids: bool = False
+    # chat templating
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    requires: dict[str, str] = field(default_factory=dict)
+    """Capability -> the request field that needs it; checked against the model's capabilities."""
+
+    def require(self, capability: str, param: str) -> None:
+        """Declare that this request needs ``capability`` of the model because of ``param``."""
+        self.requires.setdefault(capability, param)
+
+    def check_capabilities(self, model: str, backend: str, capabilities: frozenset[str]) -> None:
+        for capability, param in self.requires.items():
+            if capability not in capabilities:
+                raise BadRequest(
+                    f"Model `{model}` (backend `{backend}`) cannot honour `{param}`.",
+                    param=param,
+                    code="unsupported_parameter",
+                )

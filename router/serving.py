@@ -1,0 +1,503 @@
+"""The serving pipeline shared by every local engine.
+
+template -> token ids -> engine.generate -> incremental detokenizer -> stop strings -> chunks.
+Usage accounting, stop handling and stream shape are written once here, so every engine
+answers the same way. The first byte of a stream is only produced after every check that
+can fail with a 400 has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+
+import msgspec
+
+from . import sse
+from .detokenizer import IncrementalDetokenizer
+from .engine import EngineError, EngineRequest, EngineStep, SamplingParams, Tokenizer
+from .errors import APIError, BadRequest, ServerError
+from .params import GenerationParams
+from .prompts import build_chat_prompt, check_length, completion_prompts
+from .protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    PromptTokensDetails,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from .stops import StopChecker
+
+if TYPE_CHECKING:
+    from .backend import LocalBackend
+
+log = logging.getLogger("router.serving")
+
+_json = msgspec.json.Encoder()
+# JSON has no -inf; vLLM reports impossible tokens at this floor too.
+_LOGPROB_FLOOR = -9999.0
+
+
+@dataclass(slots=True)
+class Choice:
+    """One sequence being generated: its text so far and how it ended."""
+
+    index: int
+    prompt_index: int
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, Any]] = field(default_factory=list)
+    sent_logprobs: int = 0
+    sent_ids: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cached_tokens: int = 0
+
+    def absorb(self, step: EngineStep) -> str:
+        """Take one engine step; return the text that may be sent now."""
+        self.token_ids.extend(step.token_ids)
+        if step.logprobs:
+            self.logprobs.extend(zip(step.token_ids, step.logprobs))
+        if step.cached_tokens is not None:
+            self.cached_tokens = step.cached_tokens
+        out = self.stops.push(self.detok.push(step.token_ids))
+        if self.stops.stopped_by is not None:
+            self.finish_reason, self.stop_reason = "stop", self.stops.stopped_by
+        elif step.finish_reason is not None:
+            out += self.stops.flush()
+            self.finish_reason, self.stop_reason = step.finish_reason, step.stop_token
+        return out
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take_token_ids(self) -> list[int]:
+        """Token ids not yet reported (``return_token_ids`` in a stream)."""
+        out = self.token_ids[self.sent_ids :]
+        self.sent_ids = len(self.token_ids)
+        return out
+
+    def take_logprobs(self) -> list[tuple[int, Any]]:
+        """Logprob entries not yet sent (tokens whose text was held back come later)."""
+        out = self.logprobs[self.sent_logprobs :]
+        self.sent_logprobs = len(self.logprobs)
+        return out
+
+
+@dataclass(slots=True)
+class Generation:
+    """The engine requests of one HTTP request (prompts x n) and their choices."""
+
+    backend: "LocalBackend"
+    prompts: list[list[int]]
+    params: GenerationParams
+    max_tokens: int
+    request_id: str
+    choices: list[Choice] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        tok = self.backend.engine.tokenizer
+        n = self.params.n
+        for p, prompt in enumerate(self.prompts):
+            for i in range(n):
+                self.choices.append(
+                    Choice(
+                        index=p * n + i,
+                        prompt_index=p,
+                        detok=IncrementalDetokenizer(tok, prompt),
+                        stops=StopChecker(self.params.stop, self.params.include_stop_str_in_output),
+                    )
+                )
+
+    def _engine_request(self, choice: Choice) -> EngineRequest:
+        params = self.params
+        sampling = params.sampling
+        if sampling.seed is not None and choice.index:
+            # Each choice its own stream of randomness, all reproducible from the one seed.
+            sampling = _with_seed(sampling, sampling.seed + choice.index)
+        return EngineRequest(
+            request_id=f"{self.request_id}-{choice.index}",
+            prompt_ids=self.prompts[choice.prompt_index],
+            sampling=sampling,
+            max_tokens=self.max_tokens,
+            min_tokens=params.min_tokens,
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            priority=params.priority,
+        )
+
+    async def run(self) -> AsyncIterator[tuple[Choice, str]]:
+        """Yield (choice, text) whenever a choice has new text or has finished."""
+        engine = self.backend.engine
+        if len(self.choices) == 1:
+            choice = self.choices[0]
+            async with aclosing(engine.generate(self._engine_request(choice))) as steps:
+                async for step in steps:
+                    text = choice.absorb(step)
+                    if text or choice.finished:
+                        yield choice, text
+                    if choice.finished:
+                        return
+            _check_finished(choice)
+            return
+        queue: asyncio.Queue[tuple[Choice, EngineStep | BaseException | None]] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async with aclosing(engine.generate(self._engine_request(choice))) as steps:
+                    async for step in steps:
+                        await queue.put((choice, step))
+                        if step.finish_reason is not None:
+                            return
+                await queue.put((choice, None))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                await queue.put((choice, exc))
+
+        tasks = {choice.index: asyncio.create_task(pump(choice)) for choice in self.choices}
+        try:
+            pending = len(self.choices)
+            while pending:
+                choice, item = await queue.get()
+                if choice.finished:
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    _check_finished(choice)
+                text = choice.absorb(item)
+                if text or choice.finished:
+                    yield choice, text
+                if choice.finished:
+                    pending -= 1
+                    tasks[choice.index].cancel()  # a stop string: the engine may stop now
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    def usage(self) -> Usage:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        n = self.params.n
+        cached = sum(self.choices[p * n].cached_tokens for p in range(len(self.prompts)))
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+def _check_finished(choice: Choice) -> None:
+    if not choice.finished:
+        raise EngineError("the engine ended the sequence without a finish reason")
+
+
+def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
+    out = SamplingParams(**{k: getattr(sampling, k) for k in SamplingParams.__slots__})
+    out.seed = seed
+    return out
+
+
+# --- shared request checks -------------------------------------------------------------------
+
+
+def _check_logit_bias(params: GenerationParams, tokenizer: Tokenizer) -> None:
+    bias = params.sampling.logit_bias
+    if not bias:
+        return
+    for token in bias:
+        if not 0 <= token < tokenizer.vocab_size:
+            raise BadRequest(
+                f"logit_bias names token id {token}, outside the vocabulary "
+                f"(0 to {tokenizer.vocab_size - 1}).",
+                param="logit_bias",
+            )
+
+
+def _request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# --- chat -------------------------------------------------------------------------------------
+
+
+async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) -> bytes | AsyncIterator[bytes]:
+    engine = backend.engine
+    tok = engine.tokenizer
+    prompt = build_chat_prompt(
+        backend.template,
+        tok,
+        request.messages,
+        tools=params.tools,
+        add_generation_prompt=params.add_generation_prompt,
+        continue_final_message=params.continue_final_message,
+        template_kwargs=params.chat_template_kwargs,
+    )
+    max_tokens = check_length(len(prompt), params.max_tokens, engine.max_model_len, "messages")
+    _check_logit_bias(params, tok)
+    gen = Generation(backend, [prompt], params, max_tokens, _request_id("chatcmpl"))
+    echo = _chat_echo(request) if params.echo else ""
+    model = request.model
+    created = int(time.time())
+    if params.stream:
+        return _chat_stream(gen, model, created, echo)
+    try:
+        async for _ in gen.run():
+            pass
+    except EngineError as exc:
+        raise ServerError(f"The engine failed: {exc}") from None
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ResponseMessage(role="assistant", content=echo + c.stops.text),
+            logprobs=_chat_logprobs(tok, c.logprobs) if params.sampling.logprobs is not None else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            **({"token_ids": c.token_ids} if params.return_token_ids else {}),
+        )
+        for c in gen.choices
+    ]
+    body = ChatCompletion(
+        id=gen.request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=gen.usage(),
+        prompt_token_ids=prompt if params.return_token_ids else None,
+    )
+    return _json.encode(body)
+
+
+def _chat_echo(request: Any) -> str:
+    """vLLM's chat ``echo``: the reply repeats the last message when it is the assistant's."""
+    last = request.messages[-1]
+    if isinstance(last, AssistantMessage) and isinstance(last.content, str):
+        return last.content
+    return ""
+
+
+async def _chat_stream(
+    gen: Generation, model: str, created: int, echo: str
+) -> AsyncIterator[bytes]:
+    params = gen.params
+    tok = gen.backend.engine.tokenizer
+    want_logprobs = params.sampling.logprobs is not None
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None, **extra: Any) -> bytes:
+        return sse.event(
+            _json.encode(
+                ChatCompletionChunk(
+                    id=gen.request_id, created=created, model=model, choices=choices, usage=usage, **extra
+                )
+            )
+        )
+
+    def running_usage() -> Usage | None:
+        return gen.usage() if params.continuous_usage else None
+
+    try:
+        for c in gen.choices:
+            yield chunk(
+                [ChunkChoice(index=c.index, delta=Delta(role="assistant", content=""))],
+                running_usage(),
+                **({"prompt_token_ids": gen.prompts[0]} if params.return_token_ids else {}),
+            )
+            if echo:
+                yield chunk([ChunkChoice(index=c.index, delta=Delta(content=echo))], running_usage())
+        async for c, text in gen.run():
+            entries = c.take_logprobs() if want_logprobs else None
+            extra: dict[str, Any] = {}
+            if c.finished:
+                extra["stop_reason"] = c.stop_reason
+            if params.return_token_ids:
+                extra["token_ids"] = c.take_token_ids()
+            yield chunk(
+                [
+                    ChunkChoice(
+                        index=c.index,
+                        delta=Delta(content=text) if text else Delta(),
+                        logprobs=_chat_logprobs(tok, entries) if want_logprobs else None,
+                        finish_reason=c.finish_reason,
+                        **extra,
+                    )
+                ],
+                running_usage(),
+            )
+        if params.include_usage:
+            yield chunk([], gen.usage())
+    except APIError as exc:
+        yield sse.event(exc.to_json())
+    except EngineError as exc:
+        yield sse.event(ServerError(f"The engine failed: {exc}").to_json())
+    except Exception:  # noqa: BLE001 - a stream can only end with an error event now
+        log.exception("stream %s failed", gen.request_id)
+        yield sse.event(ServerError("Internal error while generating.").to_json())
+    yield sse.DONE
+
+
+def _clamp(lp: float) -> float:
+    return lp if lp > _LOGPROB_FLOOR else _LOGPROB_FLOOR
+
+
+def _chat_logprobs(tok: Tokenizer, entries: Sequence[tuple[int, Any]] | None) -> ChoiceLogprobs:
+    content = []
+    for token_id, lp in entries or ():
+        b = tok.token_bytes(token_id)
+        top = []
+        for alt_id, alt_lp in lp.top:
+            ab = tok.token_bytes(alt_id)
+            top.append(TopLogprob(ab.decode("utf-8", "replace"), _clamp(alt_lp), list(ab)))
+        content.append(TokenLogprob(b.decode("utf-8", "replace"), _clamp(lp.logprob), list(b), top))
+    return ChoiceLogprobs(content=content)
+
+
+# --- completions ------------------------------------------------------------------------------
+
+
+async def complete(backend: "LocalBackend", request: Any, params: GenerationParams) -> bytes | AsyncIterator[bytes]:
+    engine = backend.engine
+    tok = engine.tokenizer
+    if request.suffix:
+        raise BadRequest("suffix is not supported.", param="suffix")
+    if request.best_of is not None and request.best_of != params.n:
+        raise BadRequest("best_of must equal n when given.", param="best_of")
+    prompts = completion_prompts(request.prompt, tok)
+    max_tokens = params.max_tokens if params.max_tokens is not None else 16
+    for ids in prompts:
+        check_length(len(ids), max_tokens, engine.max_model_len, "prompt")
+    _check_logit_bias(params, tok)
+    gen = Generation(backend, prompts, params, max_tokens, _request_id("cmpl"))
+    echoes = [""] * len(prompts)
+    if params.echo:
+        raw = request.prompt
+        if isinstance(raw, str):
+            echoes = [raw]
+        elif isinstance(raw[0], str):
+            echoes = list(raw)
+        else:
+            echoes = [tok.decode(ids) for ids in prompts]
+    model = request.model
+    created = int(time.time())
+    if params.stream:
+        return _completion_stream(gen, model, created, echoes)
+    try:
+        async for _ in gen.run():
+            pass
+    except EngineError as exc:
+        raise ServerError(f"The engine failed: {exc}") from None
+    choices = []
+    for c in gen.choices:
+        echo = echoes[c.prompt_index]
+        choices.append(
+            CompletionChoice(
+                index=c.index,
+                text=echo + c.stops.text,
+                logprobs=_completion_logprobs(tok, c.logprobs, len(echo))
+                if params.sampling.logprobs is not None
+                else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                **(
+                    {"token_ids": c.token_ids, "prompt_token_ids": gen.prompts[c.prompt_index]}
+                    if params.return_token_ids
+                    else {}
+                ),
+            )
+        )
+    body = Completion(id=gen.request_id, created=created, model=model, choices=choices, usage=gen.usage())
+    return _json.encode(body)
+
+
+async def _completion_stream(
+    gen: Generation, model: str, created: int, echoes: list[str]
+) -> AsyncIterator[bytes]:
+    params = gen.params
+    tok = gen.backend.engine.tokenizer
+    want_logprobs = params.sampling.logprobs is not None
+    offsets = {c.index: len(echoes[c.prompt_index]) for c in gen.choices}
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
+        return sse.event(
+            _json.encode(Completion(id=gen.request_id, created=created, model=model, choices=choices, usage=usage))
+        )
+
+    def running_usage() -> Usage | None:
+        return gen.usage() if params.continuous_usage else None
+
+    try:
+        for c in gen.choices:
+            echo = echoes[c.prompt_index]
+            if echo:
+                yield chunk([CompletionChoice(index=c.index, text=echo, logprobs=None, finish_reason=None)])
+        async for c, text in gen.run():
+            logprobs = None
+            if want_logprobs:
+                entries = c.take_logprobs()
+                logprobs = _completion_logprobs(tok, entries, offsets[c.index])
+                offsets[c.index] += sum(len(t) for t in logprobs.tokens)
+            extra: dict[str, Any] = {}
+            if params.return_token_ids:
+                extra["token_ids"] = c.take_token_ids()
+            yield chunk(
+                [
+                    CompletionChoice(
+                        index=c.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        **extra,
+                    )
+                ],
+                running_usage(),
+            )
+        if params.include_usage:
+            yield chunk([], gen.usage())
+    except APIError as exc:
+        yield sse.event(exc.to_json())
+    except EngineError as exc:
+        yield sse.event(ServerError(f"The engine failed: {exc}").to_json())
+    except Exception:  # noqa: BLE001
+        log.exception("stream %s failed", gen.request_id)
+        yield sse.event(ServerError("Internal error while generating.").to_json())
+    yield sse.DONE
+
+
+def _completion_logprobs(
+    tok: Tokenizer, entries: Sequence[tuple[int, Any]], offset: int
+) -> CompletionLogprobs:
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for token_id, lp in entries:
+        text = tok.token_bytes(token_id).decode("utf-8", "replace")
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        token_logprobs.append(_clamp(lp.logprob))
+        alts: dict[str, float] = {}
+        for alt_id, alt_lp in lp.top:
+            alts.setdefault(tok.token_bytes(alt_id).decode("utf-8", "replace"), _clamp(alt_lp))
+        top.append(alts)
+    return CompletionLogprobs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top)

@@ -25,8 +25,8 @@ from .backend import Backend, Reply
 from .config import RouterConfig
 from .errors import APIError, ErrorBody, ErrorEnvelope, ModelNotFound, ServerError
 from .plugins import Plugins, load_plugins
-from .protocol import ModelCard, ModelList
-from .requests import RequestTypes, chat_params, completion_params, compose
+from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from .requests import RequestTypes, chat_params, completion_params, compose, decode_body
 
 log = logging.getLogger("router.app")
 
@@ -195,6 +195,28 @@ def _card(state: RouterState, backend: Backend) -> ModelCard:
     )
 
 
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
+@post("/tokenize", status_code=200)
+async def tokenize(request: Request) -> Response[bytes]:
+    """vLLM's ``/tokenize``: the token ids (and strings) a prompt or chat becomes."""
+    req = decode_body(_tokenize_decoder, await request.body())
+    backend = _state(request).model(req.model)
+    backend.check_ready()
+    return _json(await backend.tokenize(req))
+
+
+@post("/detokenize", status_code=200)
+async def detokenize(request: Request) -> Response[bytes]:
+    """vLLM's ``/detokenize``: token ids back to text."""
+    req = decode_body(_detokenize_decoder, await request.body())
+    backend = _state(request).model(req.model)
+    backend.check_ready()
+    return _json(await backend.detokenize(req))
+
+
 @get("/v1/models")
 async def list_models(request: Request) -> Response[bytes]:
     """Every configured model, ready or not (see ``ready``)."""
@@ -213,10 +235,7 @@ async def get_model(request: Request, model_id: str) -> Response[bytes]:
 async def health(request: Request) -> Response[bytes]:
     """200 once every model is ready; 503 naming each model that is not, and why."""
     state = _state(request)
-    models = {
-        b.name: {"state": b.state, **({"error": b.error} if b.error else {})}
-        for b in state.models.values()
-    }
+    models = {b.name: b.status() for b in state.models.values()}
     waiting = [f"{n} ({m['state']}{': ' + m['error'] if 'error' in m else ''})" for n, m in models.items() if m["state"] != "ready"]
     if not waiting:
         return _json(_encoder.encode({"status": "ok", "models": models}))
@@ -287,7 +306,10 @@ def create_app(config: RouterConfig, plugins: Plugins | None = None) -> Litestar
             await state.stop()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, list_models, get_model, health, version, *plugins.routes()],
+        route_handlers=[
+            chat_completions, completions, tokenize, detokenize,
+            list_models, get_model, health, version, *plugins.routes(),
+        ],
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, ClassVar, Union
 
 from .config import ModelConfig, resolve_path
 from .engine import Engine
-from .errors import Unavailable
+from .errors import BadRequest, Unavailable
 from .params import GenerationParams
 
 log = logging.getLogger("router.backend")
@@ -72,6 +72,13 @@ class Backend(abc.ABC):
     async def stop(self) -> None:
         self.state = "stopped"
 
+    def status(self) -> dict[str, Any]:
+        """What /health reports for this model."""
+        out: dict[str, Any] = {"state": self.state}
+        if self.error:
+            out["error"] = self.error
+        return out
+
     def check_ready(self) -> None:
         if self.state != "ready":
             why = f": {self.error}" if self.error else ""
@@ -81,6 +88,14 @@ class Backend(abc.ABC):
                 code="model_not_ready",
                 headers={"Retry-After": "5"},
             )
+
+    async def tokenize(self, request: Any) -> bytes:
+        """Answer ``/tokenize``; only models whose tokenizer lives here can."""
+        raise BadRequest(f"Model `{self.name}` cannot tokenize here.", param="model")
+
+    async def detokenize(self, request: Any) -> bytes:
+        """Answer ``/detokenize``."""
+        raise BadRequest(f"Model `{self.name}` cannot detokenize here.", param="model")
 
     @abc.abstractmethod
     async def chat(self, request: Any, params: GenerationParams) -> Reply:
@@ -119,6 +134,12 @@ class LocalBackend(Backend):
         self.max_model_len = self.engine.max_model_len
         self.state = "ready"
 
+    def status(self) -> dict[str, Any]:
+        out = super().status()
+        if self.state == "ready":
+            out.update(self.engine.stats())
+        return out
+
     async def stop(self) -> None:
         if self.state == "ready":
             await self.engine.stop()
@@ -128,6 +149,16 @@ class LocalBackend(Backend):
         from . import serving
 
         return await serving.chat(self, request, params)
+
+    async def tokenize(self, request: Any) -> bytes:
+        from . import serving
+
+        return serving.tokenize(self, request)
+
+    async def detokenize(self, request: Any) -> bytes:
+        from . import serving
+
+        return serving.detokenize(self, request)
 
     async def complete(self, request: Any, params: GenerationParams) -> Reply:
         from . import serving

@@ -113,6 +113,10 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
+    def stats(self) -> dict[str, int]:
+        """Current work in sequences: at least ``{"running": n, "waiting": n}``."""
+        ...
+
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         """Stream the request's steps. Closing the iterator early aborts the request and frees
         its memory at once; the last step carries ``finish_reason``."""

@@ -196,8 +196,30 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
 
 
+class TokenizeRequest(Strict, kw_only=True):
+    """``POST /tokenize`` (vLLM's shape): either ``prompt`` or ``messages``."""
+
+    model: str
+    prompt: str | None = None
+    messages: Annotated[list[Message], Meta(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Strict, kw_only=True):
+    """``POST /detokenize``."""
+
+    model: str
+    tokens: list[Annotated[int, Meta(ge=0)]]
+
+
 # --- responses -----------------------------------------------------------------------------
-# Response types keep null fields (OpenAI clients expect e.g. "logprobs": null).
+# Response types keep null fields (OpenAI clients expect e.g. "logprobs": null); fields that only
+# some responses carry default to UNSET, which msgspec leaves out.
 
 
 class PromptTokensDetails(Struct):
@@ -246,10 +268,10 @@ class ResponseToolCall(Struct):
     type: str = "function"
 
 
-class ResponseMessage(Struct, omit_defaults=True):
+class ResponseMessage(Struct):
     role: str
     content: str | None
-    tool_calls: list[ResponseToolCall] = []
+    tool_calls: list[ResponseToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -261,32 +283,32 @@ class ChatChoice(Struct):
     token_ids: list[int] | UnsetType = UNSET
 
 
-class ChatCompletion(Struct, omit_defaults=True):
+class ChatCompletion(Struct):
     id: str
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
-class DeltaToolCallFunction(Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
+class DeltaToolCallFunction(Struct):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
 
 
-class DeltaToolCall(Struct, omit_defaults=True):
+class DeltaToolCall(Struct):
     index: int
-    id: str | None = None
-    type: str | None = None
-    function: DeltaToolCallFunction | None = None
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: DeltaToolCallFunction | UnsetType = UNSET
 
 
-class Delta(Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+class Delta(Struct):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChunkChoice(Struct):
@@ -298,14 +320,14 @@ class ChunkChoice(Struct):
     token_ids: list[int] | UnsetType = UNSET
 
 
-class ChatCompletionChunk(Struct, omit_defaults=True):
+class ChatCompletionChunk(Struct):
     id: str
     created: int
     model: str
     choices: list[ChunkChoice]
     object: str = "chat.completion.chunk"
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None
+    usage: Usage | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionChoice(Struct):
@@ -313,18 +335,18 @@ class CompletionChoice(Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
 
 
-class Completion(Struct, omit_defaults=True):
+class Completion(Struct):
     id: str
     created: int
     model: str
     choices: list[CompletionChoice]
     object: str = "text_completion"
-    usage: Usage | None = None
+    usage: Usage | UnsetType = UNSET
 
 
 class ModelCard(Struct):
@@ -340,3 +362,14 @@ class ModelCard(Struct):
 class ModelList(Struct):
     data: list[ModelCard]
     object: str = "list"
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str

@@ -37,13 +37,14 @@ class RequestTypes:
         object.__setattr__(self, "_completions_decoder", msgspec.json.Decoder(self.completions))
 
     def decode_chat(self, body: bytes) -> ChatCompletionRequest:
-        return _decode(self._chat_decoder, body)  # type: ignore[attr-defined]
+        return decode_body(self._chat_decoder, body)  # type: ignore[attr-defined]
 
     def decode_completions(self, body: bytes) -> CompletionRequest:
-        return _decode(self._completions_decoder, body)  # type: ignore[attr-defined]
+        return decode_body(self._completions_decoder, body)  # type: ignore[attr-defined]
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """Decode a request body strictly; every failure is a 400 naming the field."""
     if not body.strip():
         raise BadRequest("The request body is empty; expected a JSON object.")
     try:

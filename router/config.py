@@ -56,13 +56,18 @@ class RouterConfig(Struct, kw_only=True):
 
 
 def _where(exc: msgspec.ValidationError, prefix: str) -> str:
+    """``models[0].n_ctx: Expected `int`, got `str``` from msgspec's message."""
     text = str(exc)
+    path = ""
     marker = " - at `$"
     if marker in text:
-        message, path = text.rsplit(marker, 1)
+        text, path = text.rsplit(marker, 1)
         path = path.rstrip("`")
-        return f"{prefix}{path}: {message}"
-    return f"{prefix}: {text}"
+    if text.startswith("Object contains unknown field `"):
+        name = text.split("`")[1]
+        path, text = f"{path}.{name}", "unknown key"
+    where = f"{prefix}{path}".lstrip(".") or "(top level)"
+    return f"{where}: {text}"
 
 
 def load_config(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
+from typing import Any, AsyncIterator, Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
@@ -74,6 +74,8 @@ class EngineRequest:
     ignore_eos: bool = False
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Plugin-defined parameters (``GenerationParams.extras``) for engines that know them."""
 
 
 @dataclass(slots=True)

@@ -79,7 +79,12 @@ class Choice:
             self.logprobs.extend(zip(step.token_ids, step.logprobs))
         if step.cached_tokens is not None:
             self.cached_tokens = step.cached_tokens
-        out = self.stops.push(self.detok.push(step.token_ids))
+        text_ids = step.token_ids
+        if step.finish_reason == "stop" and step.stop_token is not None:
+            # A stop token ends the sequence without being shown (EOS is a control token and
+            # decodes to nothing anyway).
+            text_ids = text_ids[:-1]
+        out = self.stops.push(self.detok.push(text_ids))
         if self.stops.stopped_by is not None:
             self.finish_reason, self.stop_reason = "stop", self.stops.stopped_by
         elif step.finish_reason is not None:
@@ -144,6 +149,7 @@ class Generation:
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
             priority=params.priority,
+            extras=params.extras,
         )
 
     async def run(self) -> AsyncIterator[tuple[Choice, str]]:

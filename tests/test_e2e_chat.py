@@ -316,3 +316,24 @@ def test_health_and_version(base_url):
     r = httpx.get(f"{base_url}/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     assert httpx.get(f"{base_url}/version").json()["version"]
+
+
+def test_disconnect_during_non_streaming_request_frees_the_engine(llama_server):
+    import socket
+    import time
+
+    body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 900, "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", llama_server.port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 5
+    while llama_server.health()[1]["models"][MODEL]["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    s.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        stats = llama_server.health()[1]["models"][MODEL]
+        if stats["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["running"] == 0 and stats["waiting"] == 0

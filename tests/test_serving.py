@@ -1,0 +1,202 @@
+"""The shared serving pipeline against a scripted engine: chunk order, n > 1, errors mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator
+
+import pytest
+from litestar.testing import TestClient
+
+import plugins.sampling
+import plugins.templating
+from fakes import ByteTokenizer
+from router.app import create_app
+from router.backend import LocalBackend
+from router.config import parse_config
+from router.engine import EngineError, EngineRequest, EngineStep, TokenLogprobs
+from router.hookspecs import hookimpl
+from router.plugins import load_plugins
+from sse_util import chat_text, parse_events
+
+tok = ByteTokenizer()
+EOS = tok.special_ids["<|im_end|>"]
+
+
+class ScriptedEngine:
+    """Answers every prompt with a fixed script of token ids; fails where told to."""
+
+    chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    capabilities = frozenset({"logprobs", "stop_token_ids", "min_tokens", "ignore_eos", "top_k"})
+    max_model_len = 64
+
+    def __init__(self) -> None:
+        self.tokenizer = tok
+        self.script = tok.encode("hello world", add_special_tokens=False) + [EOS]
+        self.fail_after: int | None = None
+        self.seen: list[EngineRequest] = []
+        self.active = 0
+
+    async def start(self): ...
+    async def stop(self): ...
+
+    def stats(self):
+        return {"running": self.active, "waiting": 0}
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        self.seen.append(request)
+        self.active += 1
+        try:
+            for n, token in enumerate(self.script[: request.max_tokens], start=1):
+                await asyncio.sleep(0)
+                if self.fail_after is not None and n > self.fail_after:
+                    raise EngineError("device on fire")
+                finish = stop_token = None
+                if token in request.stop_token_ids:
+                    finish, stop_token = "stop", token
+                elif token == EOS:
+                    finish = "stop"
+                elif n == request.max_tokens:
+                    finish = "length"
+                lp = [TokenLogprobs(-0.5, [(token, -0.5)])] if request.sampling.logprobs is not None else None
+                yield EngineStep([token], lp, finish, stop_token, 3 if n == 1 else None)
+                if finish:
+                    return
+        finally:
+            self.active -= 1
+
+
+ENGINE = ScriptedEngine()
+
+
+class Scripted(LocalBackend):
+    def create_engine(self):
+        return ENGINE
+
+
+class P:
+    __name__ = "scripted"
+
+    @hookimpl
+    def register_backends(self, register):
+        register("scripted", Scripted)
+
+
+@pytest.fixture
+def client():
+    ENGINE.fail_after = None
+    ENGINE.script = tok.encode("hello world", add_special_tokens=False) + [EOS]
+    ENGINE.seen.clear()
+    plugins_ = load_plugins(entrypoints=False, extra=[P(), plugins.sampling, plugins.templating])
+    cfg = parse_config(b'[[models]]\nname="s"\nbackend="scripted"\n', plugins_.backends)
+    with TestClient(create_app(cfg, plugins_), raise_server_exceptions=False) as c:
+        c.get("/health")
+        yield c
+
+
+MSG = {"model": "s", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def events(client, body):
+    r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert r.status_code == 200
+    return parse_events(r.content)
+
+
+def test_reply_and_usage(client):
+    body = client.post("/v1/chat/completions", json=MSG).json()
+    assert body["choices"][0]["message"]["content"] == "hello world"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    # "hello", " world", EOS: the end token is counted, not shown
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def test_finish_rides_on_the_last_content_chunk_or_an_empty_one(client):
+    evs = events(client, {**MSG, "max_tokens": 2})
+    assert [e["choices"][0]["delta"] for e in evs] == [{"role": "assistant", "content": ""}, {"content": "hello"}, {"content": " world"}]
+    assert evs[-1]["choices"][0]["finish_reason"] == "length"
+    evs = events(client, MSG)
+    assert evs[-1]["choices"][0]["delta"] == {} and evs[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_error_after_the_first_byte_is_an_error_event_then_done(client):
+    ENGINE.fail_after = 1
+    r = client.post("/v1/chat/completions", json={**MSG, "stream": True})
+    assert r.status_code == 200
+    evs = parse_events(r.content)
+    assert evs[1]["choices"][0]["delta"] == {"content": "hello"}
+    assert evs[-1] == {"error": {"message": "The engine failed: device on fire", "type": "server_error", "param": None, "code": None}}
+    r = client.post("/v1/chat/completions", json=MSG)
+    assert r.status_code == 500 and "device on fire" in r.json()["error"]["message"]
+
+
+def test_n_choices_interleave_one_choice_per_chunk(client):
+    evs = events(client, {**MSG, "n": 3, "stream_options": {"include_usage": True}})
+    assert all(len(e["choices"]) == 1 for e in evs[:-1])
+    for i in range(3):
+        assert chat_text(evs, i) == "hello world"
+        assert sum(1 for e in evs for c in e["choices"] if c["index"] == i and c["finish_reason"]) == 1
+    assert evs[-1]["usage"]["completion_tokens"] == 9 and evs[-1]["usage"]["prompt_tokens"] == 2
+
+
+def test_stop_token_ids_and_min_tokens_reach_the_engine(client):
+    world = tok.word_ids[" world"]
+    body = client.post("/v1/chat/completions", json={**MSG, "stop_token_ids": [world], "min_tokens": 1}).json()
+    c = body["choices"][0]
+    assert c["message"]["content"] == "hello" and c["stop_reason"] == world
+    req = ENGINE.seen[-1]
+    assert req.stop_token_ids == {world} and req.min_tokens == 1
+
+
+def test_stop_string_across_tokens_cancels_generation(client):
+    body = client.post("/v1/chat/completions", json={**MSG, "stop": ["lo wo"]}).json()
+    assert body["choices"][0]["message"]["content"] == "hel"
+    assert body["usage"]["completion_tokens"] == 2  # the token that completed the stop is counted
+    assert ENGINE.active == 0
+
+
+def test_logprobs_of_held_back_tokens_are_sent_with_later_text(client):
+    ENGINE.script = list("é".encode()) + [EOS]  # two tokens, one character
+    evs = events(client, {**MSG, "logprobs": True, "top_logprobs": 1})
+    content = [c for e in evs[1:] for c in e["choices"]]
+    assert content[0]["delta"] == {"content": "é"}
+    assert len(content[0]["logprobs"]["content"]) == 2
+    total = sum(len(c["logprobs"]["content"]) for c in content)
+    assert total == 3
+
+
+def test_continuous_usage_and_return_token_ids(client):
+    evs = events(client, {**MSG, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                          "return_token_ids": True})
+    assert evs[0]["prompt_token_ids"] == list(b"hi")
+    assert all("usage" in e for e in evs)
+    ids = [t for e in evs for c in e["choices"] for t in c.get("token_ids", [])]
+    assert ids == ENGINE.script
+
+
+def test_capability_missing_is_400_naming_field_and_model(client):
+    r = client.post("/v1/chat/completions", json={**MSG, "min_p": 0.2})
+    assert r.status_code == 400
+    e = r.json()["error"]
+    assert e["param"] == "min_p" and "`s`" in e["message"] and "scripted" in e["message"]
+
+
+def test_logit_bias_outside_vocab_is_400(client):
+    r = client.post("/v1/chat/completions", json={**MSG, "logit_bias": {"999999": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+def test_response_format_needs_structured_outputs(client):
+    r = client.post("/v1/chat/completions", json={**MSG, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert client.post("/v1/chat/completions", json={**MSG, "response_format": {"type": "text"}}).status_code == 200
+
+
+def test_chat_echo_prepends_last_assistant_message(client):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]
+    body = {"model": "s", "messages": msgs, "echo": True, "add_generation_prompt": False}
+    full = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert full == "Sure: hello world"
+    assert chat_text(events(client, body)) == full

@@ -320,6 +320,7 @@ def create_app(config: RouterConfig, plugins: Plugins | None = None) -> Litestar
         request_max_body_size=config.server.max_body_bytes,
         openapi_config=OpenAPIConfig(title="router", version=__version__, path="/schema"),
         debug=False,
+        logging_config=None,  # the CLI configures logging; no second set of handlers
     )
     app.state.router = state
     return app

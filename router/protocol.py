@@ -149,7 +149,8 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
-Stop = Union[str, list[str]]
+StopString = Annotated[str, Meta(max_length=1024)]
+Stop = Union[StopString, Annotated[list[StopString], Meta(max_length=64)]]
 
 
 class SamplingFields(Strict, kw_only=True):
@@ -160,7 +161,7 @@ class SamplingFields(Strict, kw_only=True):
     presence_penalty: Penalty | None = 0.0
     logit_bias: dict[str, Bias] | None = None
     max_tokens: PositiveInt | None = None
-    n: Annotated[int, Meta(ge=1)] | None = 1
+    n: Annotated[int, Meta(ge=1, le=128)] | None = 1
     seed: Seed | None = None
     stop: Stop | None = None
     stream: bool | None = False
@@ -283,13 +284,13 @@ class ChatChoice(Struct):
     token_ids: list[int] | UnsetType = UNSET
 
 
-class ChatCompletion(Struct):
+class ChatCompletion(Struct, kw_only=True):
     id: str
+    object: str = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    object: str = "chat.completion"
     prompt_token_ids: list[int] | UnsetType = UNSET
 
 
@@ -320,12 +321,12 @@ class ChunkChoice(Struct):
     token_ids: list[int] | UnsetType = UNSET
 
 
-class ChatCompletionChunk(Struct):
+class ChatCompletionChunk(Struct, kw_only=True):
     id: str
+    object: str = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChunkChoice]
-    object: str = "chat.completion.chunk"
     usage: Usage | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
 
@@ -340,28 +341,28 @@ class CompletionChoice(Struct):
     prompt_token_ids: list[int] | UnsetType = UNSET
 
 
-class Completion(Struct):
+class Completion(Struct, kw_only=True):
     id: str
+    object: str = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
-    object: str = "text_completion"
     usage: Usage | UnsetType = UNSET
 
 
-class ModelCard(Struct):
+class ModelCard(Struct, kw_only=True):
     id: str
+    object: str = "model"
     created: int
     owned_by: str
-    object: str = "model"
     max_model_len: int | None = None
     backend: str | None = None
     ready: bool = True
 
 
-class ModelList(Struct):
-    data: list[ModelCard]
+class ModelList(Struct, kw_only=True):
     object: str = "list"
+    data: list[ModelCard]
 
 
 class TokenizeResponse(Struct):

@@ -51,6 +51,8 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         return decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_validation_error(exc) from None
+    except RecursionError:
+        raise BadRequest("The request body nests JSON too deeply.") from None
 
 
 def compose(declared: Iterable[tuple[str, RequestField]]) -> RequestTypes:

@@ -129,7 +129,7 @@ class ChatTemplate:
             text = self._template.render(**variables)
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"The chat template rejected the messages: {exc}", param="messages")
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
             raise TemplateError(
                 f"The chat template failed on these messages: {type(exc).__name__}: {exc}",
                 param="messages",

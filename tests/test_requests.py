@@ -166,3 +166,15 @@ def test_plugin_may_not_redeclare_a_core_field():
 def test_omitted_plugin_field_takes_default(types):
     r = chat(types)
     assert r.priority == 0 and r.add_generation_prompt is True and r.top_k is None
+
+
+def test_deep_nesting_is_a_400_not_a_crash(types):
+    deep = b'{"model":"m","messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"a":' + b"[" * 50000 + b"]" * 50000 + b"}}"
+    e = err(types.decode_chat, deep)
+    assert "deep" in e.message
+
+
+@pytest.mark.parametrize("field,value", [("n", 129), ("stop", ["x"] * 65), ("stop", "x" * 1025)])
+def test_hostile_sizes_are_capped(types, field, value):
+    e = err(chat, types, **{field: value})
+    assert e.param == field

@@ -86,6 +86,24 @@ class RenderedChat:
     """User strings the template changed on the way in (their spans could not be found)."""
 
 
+def hf_chat_template(folder: str | Path, *, with_tools: bool = False) -> str | None:
+    """A Hugging Face model folder's chat template: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates of which
+    ``default`` is taken, or ``tool_use`` when asked for)."""
+    folder = Path(folder)
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("tool_use") if with_tools and "tool_use" in named else named.get("default")
+    return value if isinstance(value, str) else None
+
+
 class ChatTemplate:
     """One model's compiled chat template."""
 

@@ -156,3 +156,18 @@ def test_no_template_is_a_clear_400():
         build_chat_prompt(None, tok, [UserMessage(content="x")], tools=None, add_generation_prompt=True,
                           continue_final_message=False, template_kwargs=None)
     assert "chat template" in e.value.message
+
+
+def test_hf_folder_templates(tmp_path):
+    import json
+
+    from router.templates import hf_chat_template
+
+    assert hf_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "A"}))
+    assert hf_chat_template(tmp_path) == "A"
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}]}))
+    assert hf_chat_template(tmp_path) == "D" and hf_chat_template(tmp_path, with_tools=True) == "T"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert hf_chat_template(tmp_path) == "J"

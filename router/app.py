@@ -199,22 +199,23 @@ _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
 _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
 
+async def _vocabulary(request: Request, decoder: msgspec.json.Decoder, method: str) -> Response[bytes]:
+    req = decode_body(decoder, await request.body())
+    backend = _state(request).model(req.model)
+    backend.check_ready()
+    return _json(await getattr(backend, method)(req))
+
+
 @post("/tokenize", status_code=200)
 async def tokenize(request: Request) -> Response[bytes]:
     """vLLM's ``/tokenize``: the token ids (and strings) a prompt or chat becomes."""
-    req = decode_body(_tokenize_decoder, await request.body())
-    backend = _state(request).model(req.model)
-    backend.check_ready()
-    return _json(await backend.tokenize(req))
+    return await _vocabulary(request, _tokenize_decoder, "tokenize")
 
 
 @post("/detokenize", status_code=200)
 async def detokenize(request: Request) -> Response[bytes]:
     """vLLM's ``/detokenize``: token ids back to text."""
-    req = decode_body(_detokenize_decoder, await request.body())
-    backend = _state(request).model(req.model)
-    backend.check_ready()
-    return _json(await backend.detokenize(req))
+    return await _vocabulary(request, _detokenize_decoder, "detokenize")
 
 
 @get("/v1/models")

@@ -15,6 +15,7 @@ llama_cpp is imported only when a model of this backend loads.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 from msgspec import Meta
@@ -50,8 +51,9 @@ class LlamaCppBackend(LocalBackend):
         return LlamaCppEngine(
             str(path),
             n_ctx=cfg.n_ctx or cfg.max_model_len or 2048,
-            n_threads=cfg.n_threads,
-            n_threads_batch=cfg.n_threads_batch,
+            # llama-cpp-python's own default is half the cores; a server wants them all.
+            n_threads=cfg.n_threads or os.cpu_count() or 1,
+            n_threads_batch=cfg.n_threads_batch or cfg.n_threads or os.cpu_count() or 1,
             n_batch=cfg.n_batch,
         )
 

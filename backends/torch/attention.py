@@ -1,0 +1,115 @@
+"""Attention over the paged KV cache for a flat batch of tokens.
+
+A step's tokens are laid out decode-first: ``num_decode`` sequences with one new token each, then
+the prefill chunks, one span per sequence. Each layer writes the new keys and values into their
+cache slots, then attends:
+
+- decode tokens together, over each sequence's cached keys (padded to the longest, masked);
+- each prefill chunk over its sequence's cached prefix plus itself, causally.
+
+Keys and values live in ``[num_slots, kv_heads, head_dim]`` tensors per layer; a sequence's slots
+are ``block * block_size + offset`` for the blocks of its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence's prefill chunk: rows [start, end) of the step, keys at ``slots``."""
+
+    start: int
+    end: int
+    slots: torch.Tensor  # [context] slot of every key the chunk attends to, in position order
+    mask: torch.Tensor | None  # [chunk, context] True = attend; None = plain causal (no prefix)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where every token of one step goes and what it attends to."""
+
+    k_cache: list[torch.Tensor]
+    v_cache: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [tokens] cache slot each new token's key/value is written to
+    num_decode: int = 0
+    decode_slots: torch.Tensor | None = None  # [num_decode, max_context]
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] or None (no padding)
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    layer: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim]."""
+    k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.num_decode and not meta.prefills:
+        return _decode(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, scale)
+    for span in meta.prefills:
+        out[span.start : span.end] = _prefill(q[span.start : span.end], k_cache, v_cache, span, scale)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    n, context = meta.decode_slots.shape
+    heads = k_cache.shape[1:]
+    idx = meta.decode_slots.reshape(-1)
+    keys = k_cache.index_select(0, idx).view(n, context, *heads).transpose(1, 2)
+    values = v_cache.index_select(0, idx).view(n, context, *heads).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+    keys = k_cache.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
+    values = v_cache.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys,
+        values,
+        attn_mask=span.mask,
+        is_causal=span.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def prefill_mask(chunk: int, context: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Causal mask of a chunk whose first token sits at position ``context - chunk``."""
+    if chunk == context and window is None:
+        return None
+    q_pos = torch.arange(context - chunk, context, device=device)[:, None]
+    k_pos = torch.arange(context, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    return mask
+
+
+def decode_mask(lengths: torch.Tensor, context: int, window: int | None) -> torch.Tensor | None:
+    """Which of the padded keys each decoding sequence attends to (None: all of them)."""
+    k_pos = torch.arange(context, device=lengths.device)[None, :]
+    mask = k_pos < lengths[:, None]
+    if window is not None:
+        mask &= (lengths[:, None] - 1) - k_pos < window
+    if bool(mask.all()):
+        return None
+    return mask[:, None, None, :]

@@ -1,0 +1,247 @@
+"""The torch engine: a scheduler loop on its own thread, talking to asyncio through queues.
+
+``generate`` hands a sequence to the engine thread and streams back its steps. Every loop
+iteration takes in new and aborted sequences, schedules one step (continuous batching), runs it,
+and posts every sequence's new token back to the event loop in one call. Closing a ``generate``
+iterator aborts its sequence: its KV blocks are freed before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import torch
+
+from router.engine import EngineError, EngineRequest, EngineStep
+
+from .kv_cache import BlockPool, KVCache
+from .loader import Checkpoint
+from .model import CausalLM
+from .runner import ModelRunner
+from .sampler import BatchSampler
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+log = logging.getLogger("router.torch")
+
+CAPABILITIES = frozenset(
+    {"logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "seed"}
+)
+
+
+@dataclass
+class EngineOptions:
+    """How to run: device, precision, memory, batching."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int | None = None
+    fp16_weights: bool = False
+
+
+class TorchEngine:
+    """Serves one model with the project's own PyTorch engine."""
+
+    def __init__(self, load: Callable[[], Checkpoint], options: EngineOptions) -> None:
+        """Load and build on the engine's own thread, which then runs the scheduler loop.
+
+        All torch work of the engine happens on that one thread: a second thread touching
+        torch gets its own OpenMP team, and two teams on two cores slow every step by a third.
+        """
+        self.options = options
+        self._cv = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[Sequence] = []
+        self._closing = False
+        self.steps = 0
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                self._build(load())
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the constructing thread
+                failure.append(exc)
+                return
+            finally:
+                ready.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=main, name="torch-engine", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+
+    def _build(self, checkpoint: Checkpoint) -> None:
+        options = self.options
+        spec = checkpoint.spec
+        self.tokenizer = checkpoint.tokenizer
+        self.chat_template = checkpoint.chat_template
+        self.capabilities = CAPABILITIES
+        if options.num_threads and options.device.type == "cpu":
+            torch.set_num_threads(options.num_threads)
+        per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype)
+        num_blocks = max(1, options.kv_cache_bytes // per_block)
+        # A sequence can never be longer than the whole cache.
+        self.max_model_len = min(options.max_model_len, spec.max_position, num_blocks * options.block_size)
+        model = CausalLM(spec, self.max_model_len)
+        model.load_hf_state_dict(checkpoint.weights)
+        checkpoint.weights.clear()
+        self.model = model.to(device=options.device, dtype=options.dtype).eval()
+        if options.fp16_weights:
+            from .quantize import pack_fp16_weights
+
+            pack_fp16_weights(self.model)
+        self.model.rotary.to(torch.float32)  # the tables stay exact; cast per use
+        self.kv = KVCache.allocate(
+            spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype, options.device
+        )
+        self.pool = BlockPool(num_blocks, options.block_size, prefix_caching=options.prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_batched_tokens)
+        sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
+        self.runner = ModelRunner(self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids)
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """The engine thread is already running (it loaded the model)."""
+
+    async def stop(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        await asyncio.to_thread(self._thread.join)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": self.scheduler.num_waiting + len(self._inbox),
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_total": self.pool.num_blocks,
+        }
+
+    # --- asyncio side ---------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        if len(request.prompt_ids) + request.max_tokens > self.max_model_len:
+            raise EngineError(
+                f"prompt ({len(request.prompt_ids)}) plus max_tokens ({request.max_tokens}) exceeds "
+                f"the engine's context of {self.max_model_len} tokens"
+            )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[EngineStep | BaseException] = asyncio.Queue()
+        seq = Sequence(request, queue.put_nowait, self.options.block_size)
+        seq.loop = loop
+        with self._cv:
+            if self._closing:
+                raise EngineError("the engine is shutting down")
+            self._inbox.append(seq)
+            self._cv.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                seq.aborted = True
+                with self._cv:
+                    self._aborts.append(seq)
+                    self._cv.notify()
+
+    # --- engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
+                    self._cv.wait()
+                if self._closing:
+                    break
+                new, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+            for seq in aborts:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.finish(seq)
+            for seq in new:
+                if not seq.aborted:
+                    self.scheduler.add(seq)
+            if self.scheduler.has_work():
+                self._step()
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq)
+
+    def _step(self) -> None:
+        step = self.scheduler.schedule()
+        if not step.work:
+            return
+        out: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, EngineStep | BaseException]]] = defaultdict(list)
+        try:
+            sampled = self.runner.run(step)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+            log.exception("engine step failed")
+            for w in step.work:
+                self.scheduler.finish(w.seq)
+                out[w.seq.loop].append((w.seq, EngineError(f"{type(exc).__name__}: {exc}")))
+            self._post(out)
+            return
+        self.steps += 1
+        for s in sampled:
+            seq = s.work.seq
+            req = seq.request
+            token = s.token
+            seq.tokens.append(token)
+            finish = stop_token = None
+            if token in req.stop_token_ids:
+                finish, stop_token = "stop", token
+            elif token in self.tokenizer.eos_token_ids and not req.ignore_eos:
+                finish = "stop"
+            elif seq.num_output >= req.max_tokens or len(seq.tokens) >= self.max_model_len:
+                finish = "length"
+            first = seq.num_output == 1
+            step_out = EngineStep(
+                [token],
+                [s.logprobs] if s.logprobs is not None else None,
+                finish,
+                stop_token,
+                seq.cached_tokens if first else None,
+            )
+            out[seq.loop].append((seq, step_out))
+        for w in step.work:
+            w.seq.register_full_blocks(self.pool)
+        for seq, item in (pair for items in out.values() for pair in items):
+            if item.finish_reason is not None:
+                self.scheduler.finish(seq)
+        self._post(out)
+
+    def _post(self, out: dict) -> None:
+        for loop, items in out.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass  # that event loop is gone; nobody is listening
+
+
+def _deliver(items: list[tuple[Sequence, EngineStep | BaseException]]) -> None:
+    for seq, item in items:
+        if not seq.aborted:
+            seq.deliver(item)

@@ -1,0 +1,108 @@
+"""One engine step on the device: scheduled work -> input tensors -> forward -> sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from router.engine import TokenLogprobs
+
+from .attention import AttentionMetadata, PrefillSpan, decode_mask, prefill_mask
+from .kv_cache import KVCache
+from .model import CausalLM
+from .sampler import BatchSampler, RowSampling
+from .scheduler import Scheduled, Step
+
+
+@dataclass(slots=True)
+class Sampled:
+    work: Scheduled
+    token: int
+    logprobs: TokenLogprobs | None
+
+
+class ModelRunner:
+    """Owns the model, the KV tensors and the sampler; runs scheduled steps."""
+
+    def __init__(self, model: CausalLM, kv: KVCache, sampler: BatchSampler, device: torch.device, eos_ids: frozenset[int]) -> None:
+        self.model = model
+        self.kv = kv
+        self.sampler = sampler
+        self.device = device
+        self.eos_ids = eos_ids
+        self.window = model.spec.sliding_window
+        bs = kv.block_size
+        self._offsets = torch.arange(bs, device=device)
+
+    def prepare(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.kv.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        decode = [w for w in step.work if w.is_decode]
+        for w in step.work:
+            seq, start, n = w.seq, w.seq.num_computed, w.num_new
+            table = seq.block_table
+            ids.extend(seq.tokens[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if w.samples:
+                logits_rows.append(len(ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            self.kv.k, self.kv.v, torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+        )
+        if decode:
+            meta.num_decode = len(decode)
+            width = max(len(w.seq.block_table) for w in decode)
+            tables = torch.tensor(
+                [w.seq.block_table + [0] * (width - len(w.seq.block_table)) for w in decode], dtype=torch.long
+            ).to(dev, non_blocking=True)
+            lengths = torch.tensor([w.seq.num_computed + 1 for w in decode], dtype=torch.long).to(dev, non_blocking=True)
+            context = max(w.seq.num_computed + 1 for w in decode)
+            meta.decode_slots = (tables[:, :, None] * bs + self._offsets).view(len(decode), -1)[:, :context]
+            meta.decode_mask = decode_mask(lengths, context, self.window)
+        row = len(decode)
+        for w in step.work[len(decode) :]:
+            context = w.seq.num_computed + w.num_new
+            table = torch.tensor(w.seq.block_table, dtype=torch.long).to(dev, non_blocking=True)
+            span_slots = (table[:, None] * bs + self._offsets).view(-1)[:context]
+            meta.prefills.append(
+                PrefillSpan(row, row + w.num_new, span_slots, prefill_mask(w.num_new, context, self.window, dev))
+            )
+            row += w.num_new
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
+        return as_tensor(ids), as_tensor(positions), meta, as_tensor(logits_rows)
+
+    @torch.inference_mode()
+    def run(self, step: Step) -> list[Sampled]:
+        """Compute one step; advance every scheduled sequence; return the sampled tokens."""
+        input_ids, positions, meta, logits_rows = self.prepare(step)
+        logits = self.model(input_ids, positions, meta, logits_rows)
+        sampling = [w for w in step.work if w.samples]
+        for w in step.work:
+            w.seq.num_computed += w.num_new
+        if not sampling:
+            return []
+        rows = [self._row(w) for w in sampling]
+        tokens, logprobs = self.sampler.sample(logits, rows)
+        return [Sampled(w, t, lp) for w, t, lp in zip(sampling, tokens, logprobs)]
+
+    def _row(self, w: Scheduled) -> RowSampling:
+        seq = w.seq
+        req = seq.request
+        params = req.sampling
+        if params.seed is not None and seq.sampling_state is None:
+            seq.sampling_state = torch.Generator(device=self.device).manual_seed(params.seed % (2**63))
+        suppress = frozenset()
+        if seq.num_output < req.min_tokens:
+            suppress = self.eos_ids | req.stop_token_ids
+        return RowSampling(
+            params=params,
+            generator=seq.sampling_state,
+            output_ids=seq.output_ids,
+            prompt_ids=seq.prompt_ids,
+            suppress=suppress,
+        )

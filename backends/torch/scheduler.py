@@ -1,0 +1,147 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step has a token budget. Running sequences go first, most important first (lower
+``priority``, then earlier arrival): one token for those decoding, a chunk of the prompt for those
+still prefilling. Then waiting sequences are admitted in the same order while the budget, the seat
+limit and free KV blocks allow, reusing cached prefix blocks. When a running sequence needs a block
+and none is free, the least important running sequence is preempted: its blocks are released and
+it goes back to the waiting queue, to be recomputed later (its cached blocks may still be there).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockPool
+from .sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class Scheduled:
+    seq: Sequence
+    num_new: int  # tokens computed this step, starting at seq.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence's known tokens (so it samples)."""
+        return self.seq.num_computed + self.num_new == len(self.seq.tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new == 1 and self.samples
+
+
+@dataclass(slots=True)
+class Step:
+    """One step's work: decode sequences first, then prefill chunks."""
+
+    work: list[Scheduled] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.work)
+
+
+class Scheduler:
+    """Waiting queue (a priority heap), running set, and the per-step plan."""
+
+    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_batched_tokens: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self._waiting: list[tuple[tuple, Sequence]] = []
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for _, s in self._waiting if not s.aborted)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(not s.aborted for _, s in self._waiting)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        heapq.heappush(self._waiting, (seq.order, seq))
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (done or aborted) and free its blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        seq.release(self.pool)
+        seq.status = Status.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
+        self.running.remove(seq)
+        seq.release(self.pool)
+        self.add(seq)
+
+    def schedule(self) -> Step:
+        step = Step()
+        budget = self.max_batched_tokens
+        scheduled: set[int] = set()
+        self.running.sort(key=lambda s: s.order)
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._fit(seq, min(len(seq.tokens) - seq.num_computed, budget), scheduled, step)
+            if not num_new:
+                continue  # it was preempted itself
+            seq.grow(self.pool, num_new)
+            step.work.append(Scheduled(seq, num_new))
+            scheduled.add(seq.id)
+            budget -= num_new
+        while budget > 0 and self._waiting and len(self.running) < self.max_num_seqs:
+            _, seq = self._waiting[0]
+            if seq.aborted:
+                heapq.heappop(self._waiting)
+                continue
+            if not self._admit(seq, budget, step):
+                break
+            heapq.heappop(self._waiting)
+            budget -= step.work[-1].num_new
+        # Decode rows first: the attention layout expects them at the front.
+        step.work.sort(key=lambda w: not w.is_decode)
+        return step
+
+    def _capacity(self, seq: Sequence) -> int:
+        """How many more tokens the sequence could hold with its blocks plus all free ones."""
+        return (len(seq.block_table) + self.pool.num_free) * self.pool.block_size - seq.num_computed
+
+    def _fit(self, seq: Sequence, num_new: int, scheduled: set[int], step: Step) -> int:
+        """Shrink a prefill chunk to the free memory, or preempt to find room for one token.
+        Returns the tokens to compute, 0 if ``seq`` had to give way itself."""
+        while self._capacity(seq) < 1:
+            victims = [s for s in self.running if s.id not in scheduled and s is not seq]
+            victim = max(victims, key=lambda s: s.order) if victims else None
+            if victim is None or victim.order < seq.order:
+                # Everyone left matters more (or nobody is left): this sequence waits instead.
+                self._preempt(seq)
+                step.preempted.append(seq)
+                return 0
+            self._preempt(victim)
+            step.preempted.append(victim)
+        return min(num_new, self._capacity(seq))
+
+    def _admit(self, seq: Sequence, budget: int, step: Step) -> bool:
+        first = seq.cached_tokens is None
+        hits = seq.take_prefix_hits(self.pool)
+        wanted = min(len(seq.tokens) - seq.num_computed, budget)
+        num_new = min(wanted, self._capacity(seq))
+        # With others running, only admit what fits whole: a squeezed-in chunk would just be
+        # preempted again at the next block boundary. Alone, take what there is.
+        if num_new < 1 or (self.running and num_new < wanted):
+            seq.release(self.pool)  # give back the shared prefix blocks; try again next step
+            return False
+        if first:
+            seq.cached_tokens = hits
+        seq.grow(self.pool, num_new)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        step.work.append(Scheduled(seq, num_new))
+        return True

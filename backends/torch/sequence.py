@@ -1,0 +1,108 @@
+"""One sequence inside the torch engine: its tokens, its KV blocks, its progress."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any, Callable
+
+from router.engine import EngineRequest
+
+from .kv_cache import BlockPool, chain_hash
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt plus generated tokens, the blocks holding their KV, and how far prefill got."""
+
+    def __init__(self, request: EngineRequest, deliver: Callable[[Any], None], block_size: int) -> None:
+        self.id = next(_ids)
+        self.block_size = block_size
+        self.request = request
+        self.deliver = deliver
+        self.tokens: list[int] = list(request.prompt_ids)
+        self.num_prompt = len(self.tokens)
+        self.num_computed = 0  # tokens whose keys and values are in the cache
+        self.block_table: list[int] = []
+        self._hashes: list[int] = []  # chain hash of each full block of `tokens`
+        self._registered = 0  # blocks already offered to the prefix cache
+        self.status = Status.WAITING
+        self.cached_tokens: int | None = None  # prefix-cache hits at first admission
+        self.aborted = False
+        self.sampling_state: Any = None  # owned by the runner (random generator)
+        self.loop: Any = None  # the event loop whose request this is
+        self.order = (request.priority, request.arrival, self.id)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.tokens[: self.num_prompt]
+
+    def block_hash(self, index: int) -> int:
+        """Chain hash of full block ``index`` of the current tokens (memoised)."""
+        bs = self.block_size
+        while len(self._hashes) <= index:
+            i = len(self._hashes)
+            parent = self._hashes[i - 1] if i else None
+            self._hashes.append(chain_hash(parent, self.tokens[i * bs : (i + 1) * bs]))
+        return self._hashes[index]
+
+    # --- block bookkeeping ----------------------------------------------------------------
+
+    def take_prefix_hits(self, pool: BlockPool) -> int:
+        """Share cached blocks for the longest cached prefix; return how many tokens they hold.
+
+        At least one token is left to compute, so there are logits to sample from.
+        """
+        bs = self.block_size
+        limit = (len(self.tokens) - 1) // bs
+        hits = 0
+        while hits < limit:
+            block = pool.lookup(self.block_hash(hits))
+            if block is None:
+                break
+            pool.share(block)
+            self.block_table.append(block)
+            hits += 1
+        self._registered = hits
+        self.num_computed = hits * bs
+        return self.num_computed
+
+    def blocks_needed(self, num_new: int) -> int:
+        """Blocks to allocate so that ``num_new`` more tokens have slots."""
+        total = -(-(self.num_computed + num_new) // self.block_size)
+        return max(0, total - len(self.block_table))
+
+    def grow(self, pool: BlockPool, num_new: int) -> None:
+        for _ in range(self.blocks_needed(num_new)):
+            self.block_table.append(pool.allocate())
+
+    def register_full_blocks(self, pool: BlockPool) -> None:
+        """Offer blocks that became full (and computed) to the prefix cache."""
+        bs = self.block_size
+        full = min(self.num_computed, len(self.tokens)) // bs
+        while self._registered < full:
+            pool.register(self.block_table[self._registered], self.block_hash(self._registered))
+            self._registered += 1
+
+    def release(self, pool: BlockPool) -> None:
+        # Release tail first: the head blocks (shared prefix) stay cached longest.
+        for block in reversed(self.block_table):
+            pool.release(block)
+        self.block_table = []
+        self.num_computed = 0
+        self._registered = 0

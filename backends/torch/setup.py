@@ -1,0 +1,72 @@
+"""From a ``[[models]]`` entry to a running engine: device, precision and memory decided here."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .engine import EngineOptions, TorchEngine
+from .loader import load_checkpoint
+
+log = logging.getLogger("router.torch")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device `{name}` asked for, but CUDA is not available")
+    return device
+
+
+def kv_budget(config, device: torch.device, dtype: torch.dtype, checkpoint) -> int:  # type: ignore[no-untyped-def]
+    """Bytes for the KV cache: ``kv_cache_gb``; else on CUDA a fraction of what the weights
+    leave free; else 1 GiB of RAM."""
+    if config.kv_cache_gb is not None:
+        return int(config.kv_cache_gb * (1 << 30))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        weights = sum(t.numel() for t in checkpoint.weights.values()) * torch.empty((), dtype=dtype).element_size()
+        return int(max(free - weights, 0) * config.kv_cache_fraction)
+    return 1 << 30
+
+
+def build_engine(config, path: Path) -> TorchEngine:  # type: ignore[no-untyped-def]
+    device = pick_device(config.device)
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = _DTYPES[config.dtype]
+    if config.weight_format == "fp16" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError('weight_format = "fp16" is for the CPU with dtype float32')
+
+    def load():  # type: ignore[no-untyped-def]
+        # Runs on the engine thread; the budget needs the weights' size, hence decided here.
+        checkpoint = load_checkpoint(path)
+        options.kv_cache_bytes = kv_budget(config, device, dtype, checkpoint)
+        options.max_model_len = config.max_model_len or checkpoint.spec.max_position
+        return checkpoint
+
+    options = EngineOptions(
+        device=device,
+        dtype=dtype,
+        max_model_len=config.max_model_len or 0,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_batched_tokens=config.max_batched_tokens or (8192 if device.type == "cuda" else 512),
+        prefix_caching=config.prefix_caching,
+        num_threads=config.num_threads,
+        seed=config.seed,
+        fp16_weights=config.weight_format == "fp16",
+    )
+    engine = TorchEngine(load, options)
+    log.info(
+        "torch engine: %s %s, %d KV blocks of %d tokens, context %d",
+        device, str(dtype).removeprefix("torch."), engine.pool.num_blocks, config.block_size, engine.max_model_len,
+    )
+    return engine

@@ -1,0 +1,184 @@
+"""The torch engine against Hugging Face transformers, and its memory bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from backends.torch import TorchConfig
+from backends.torch.setup import build_engine
+from router.engine import EngineRequest, SamplingParams
+from torch_models import hf_greedy, smollm2_folder, tiny_checkpoint
+
+PROMPTS = [
+    "<|im_start|>user\nWrite a story about a cat.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time",
+    "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nList three fruits.<|im_end|>\n<|im_start|>assistant\n",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "<|im_start|>user\nTranslate 'good morning' to French.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def engine_for(path, **options):
+    options = {"max_model_len": 512, "kv_cache_gb": 0.05, **options}
+    cfg = TorchConfig(name="t", backend="torch", path=str(path), **options)
+    return build_engine(cfg, path)
+
+
+async def generate(engine, prompt, n, **sampling):
+    req = EngineRequest("t", prompt, SamplingParams(**{"temperature": 0.0, **sampling}), n, ignore_eos=True)
+    out, cached = [], None
+    async for step in engine.generate(req):
+        out += step.token_ids
+        if step.cached_tokens is not None:
+            cached = step.cached_tokens
+    return out, cached
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    engine = engine_for(smollm2_folder())
+    yield engine
+    run(engine.stop())
+
+
+@pytest.fixture(scope="module")
+def smol_ids(smol):
+    return [smol.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+
+
+LENGTHS = [24, 9, 17, 30, 5, 21, 13, 26]
+
+
+def test_greedy_matches_transformers_alone(smol, smol_ids):
+    folder = smollm2_folder()
+    for ids, n in list(zip(smol_ids, LENGTHS))[:3]:
+        ours, _ = run(generate(smol, ids, n))
+        assert ours == hf_greedy(folder, ids, n)
+
+
+def test_greedy_matches_transformers_in_a_mixed_batch_of_8(smol, smol_ids):
+    folder = smollm2_folder()
+
+    async def all_at_once():
+        return await asyncio.gather(*(generate(smol, ids, n) for ids, n in zip(smol_ids, LENGTHS)))
+
+    results = run(all_at_once())
+    for (ours, _), ids, n in zip(results, smol_ids, LENGTHS):
+        assert ours == hf_greedy(folder, ids, n), smol.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_tiny_random_architectures_match_transformers(tmp_path, arch):
+    folder = tiny_checkpoint(tmp_path / arch, arch)
+    engine = engine_for(folder, block_size=4, max_batched_tokens=16)
+    try:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 49152) for _ in range(length)] for length in (5, 23, 40, 11)]
+
+        async def all_at_once():
+            return await asyncio.gather(*(generate(engine, p, 20) for p in prompts))
+
+        batched = run(all_at_once())
+        for (ours, _), p in zip(batched, prompts):
+            assert ours == hf_greedy(folder, p, 20)
+    finally:
+        run(engine.stop())
+
+
+def test_prefix_cache_hits_and_same_output(smol):
+    system = "<|im_start|>system\n" + "You answer questions about geography with care. " * 20 + "<|im_end|>\n"
+    q1 = smol.tokenizer.encode(system + "<|im_start|>user\nWhere is Peru?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    q2 = smol.tokenizer.encode(system + "<|im_start|>user\nWhere is Chad?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    run(generate(smol, q1, 4))
+    cached_out, cached = run(generate(smol, q2, 12))
+    assert cached >= 100 and cached % 16 == 0
+    fresh = engine_for(smollm2_folder(), prefix_caching=False)
+    try:
+        plain_out, plain_cached = run(generate(fresh, q2, 12))
+    finally:
+        run(fresh.stop())
+    assert plain_cached == 0 and plain_out == cached_out
+
+
+def test_preemption_under_a_tiny_kv_budget_keeps_outputs_correct(smol, smol_ids):
+    # 12 blocks of 16 tokens for 8 sequences of up to ~80 tokens: constant preemption.
+    tight = engine_for(smollm2_folder(), kv_cache_gb=12 * 16 * 46080 / 2**30)
+    assert tight.pool.num_blocks == 12
+    try:
+        async def all_at_once():
+            return await asyncio.gather(*(generate(tight, ids, n) for ids, n in zip(smol_ids, LENGTHS)))
+
+        squeezed = run(all_at_once())
+        roomy = [run(generate(smol, ids, n))[0] for ids, n in zip(smol_ids, LENGTHS)]
+        assert [out for out, _ in squeezed] == roomy
+        assert tight.scheduler.preemptions > 0
+        assert tight.pool.num_used == 0
+    finally:
+        run(tight.stop())
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(smol, smol_ids):
+    params = dict(temperature=0.9, top_p=0.95, seed=1234)
+    alone, _ = run(generate(smol, smol_ids[0], 20, **params))
+
+    async def crowded():
+        others = [generate(smol, ids, 20, temperature=1.0) for ids in smol_ids[1:6]]
+        return await asyncio.gather(generate(smol, smol_ids[0], 20, **params), *others)
+
+    assert run(crowded())[0][0] == alone
+
+
+def test_a_thousand_cancelled_requests_leave_no_blocks_in_use(smol, smol_ids):
+    async def cancel_many():
+        async def one(i):
+            req = EngineRequest(f"c{i}", smol_ids[i % 8], SamplingParams(temperature=1.0), 200, ignore_eos=True)
+            gen = smol.generate(req)
+            async for _ in gen:
+                break  # first token, then the client goes away
+            await gen.aclose()
+
+        async def cancelled_while_waiting(i):
+            task = asyncio.ensure_future(one(i))
+            await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        jobs = [one(i) if i % 2 else cancelled_while_waiting(i) for i in range(1000)]
+        for k in range(0, 1000, 100):
+            await asyncio.gather(*jobs[k : k + 100])
+        for _ in range(200):
+            stats = smol.stats()
+            if stats["running"] == 0 and stats["waiting"] == 0:
+                break
+            await asyncio.sleep(0.02)
+
+    run(cancel_many())
+    stats = smol.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_stop_token_ids_min_tokens_and_logprobs(smol, smol_ids):
+    out, _ = run(generate(smol, smol_ids[1], 10))
+    stop = out[2]
+
+    async def with_stop():
+        req = EngineRequest("s", smol_ids[1], SamplingParams(temperature=0.0, logprobs=2), 10,
+                            stop_token_ids=frozenset({stop}), min_tokens=1)
+        return [s async for s in smol.generate(req)]
+
+    steps = run(with_stop())
+    assert [t for s in steps for t in s.token_ids] == out[: out.index(stop) + 1]
+    assert steps[-1].finish_reason == "stop" and steps[-1].stop_token == stop
+    lp = steps[0].logprobs[0]
+    assert len(lp.top) == 2 and lp.top[0][0] == out[0] and lp.logprob == pytest.approx(lp.top[0][1])

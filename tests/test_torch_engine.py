@@ -112,17 +112,18 @@ def test_prefix_cache_hits_and_same_output(smol):
 
 
 def test_preemption_under_a_tiny_kv_budget_keeps_outputs_correct(smol, smol_ids):
-    # 12 blocks of 16 tokens for 8 sequences of up to ~80 tokens: constant preemption.
-    tight = engine_for(smollm2_folder(), kv_cache_gb=12 * 16 * 46080 / 2**30)
-    assert tight.pool.num_blocks == 12
+    # 8 blocks of 16 tokens for 6 sequences growing to ~5 blocks each: constant preemption.
+    tight = engine_for(smollm2_folder(), kv_cache_gb=8 * 16 * 46080 / 2**30)
+    assert tight.pool.num_blocks == 8
+    lengths = [60, 50, 70, 40, 55, 45]
     try:
-        async def all_at_once():
-            return await asyncio.gather(*(generate(tight, ids, n) for ids, n in zip(smol_ids, LENGTHS)))
+        async def all_at_once(engine):
+            return await asyncio.gather(*(generate(engine, ids, n) for ids, n in zip(smol_ids, lengths)))
 
-        squeezed = run(all_at_once())
-        roomy = [run(generate(smol, ids, n))[0] for ids, n in zip(smol_ids, LENGTHS)]
-        assert [out for out, _ in squeezed] == roomy
+        squeezed = run(all_at_once(tight))
         assert tight.scheduler.preemptions > 0
+        roomy = run(all_at_once(smol))
+        assert [out for out, _ in squeezed] == [out for out, _ in roomy]
         assert tight.pool.num_used == 0
     finally:
         run(tight.stop())

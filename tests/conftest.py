@@ -5,17 +5,26 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from server import RouterProcess, llamacpp_config  # noqa: E402
+from server import RouterProcess, llamacpp_config, torch_config  # noqa: E402
+
+MODELS = ["smollm2", "smollm2-torch"]
 
 
 @pytest.fixture(scope="session")
-def llama_server(tmp_path_factory):
-    """One router serving the bundled SmolLM2 with llama.cpp, shared by the e2e tests."""
-    server = RouterProcess(llamacpp_config(), tmp_path_factory.mktemp("llama"))
-    yield server
-    server.stop()
+def server(tmp_path_factory):
+    """One router serving the bundled SmolLM2 twice: llama.cpp and the torch engine."""
+    config = llamacpp_config("smollm2") + torch_config("smollm2-torch")
+    router = RouterProcess(config, tmp_path_factory.mktemp("router"))
+    yield router
+    router.stop()
 
 
 @pytest.fixture(scope="session")
-def base_url(llama_server):
-    return llama_server.url
+def base_url(server):
+    return server.url
+
+
+@pytest.fixture(params=MODELS)
+def model(request):
+    """Each contract test runs against every backend."""
+    return request.param

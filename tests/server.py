@@ -91,3 +91,16 @@ n_ctx = {n_ctx}
 n_threads = 2
 {extra}
 """
+
+
+def torch_config(name: str = "smollm2-torch", max_model_len: int = 1024, extra: str = "") -> str:
+    return f"""
+[[models]]
+name = "{name}"
+backend = "torch"
+path = "{GGUF}"
+max_model_len = {max_model_len}
+kv_cache_gb = 0.25
+weight_format = "fp16"
+{extra}
+"""

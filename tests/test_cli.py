@@ -37,9 +37,9 @@ def test_check_config_ok_and_bad(tmp_path):
     assert "models[0].n_ctx" in out.stderr and "models[1].backend" in out.stderr
 
 
-def test_models_lists_with_readiness(tmp_path, llama_server):
+def test_models_lists_with_readiness(tmp_path, server):
     cfg = tmp_path / "r.toml"
-    cfg.write_text(f'[server]\nport = {llama_server.port}\n[[models]]\nname="smollm2"\nbackend="llamacpp"\npath="{GGUF}"\n')
+    cfg.write_text(f'[server]\nport = {server.port}\n[[models]]\nname="smollm2"\nbackend="llamacpp"\npath="{GGUF}"\n')
     out = run("models", "--config", str(cfg))
     assert out.returncode == 0
     line = [l for l in out.stdout.splitlines() if l.startswith("smollm2")][0]

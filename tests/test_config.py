@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 
 from backends.llamacpp import LlamaCppBackend, LlamaCppConfig
+from backends.torch import TorchBackend, TorchConfig
 from router.config import ConfigError, parse_config, resolve_path, resolve_secret
 
-BACKENDS = {"llamacpp": LlamaCppBackend}
+BACKENDS = {"llamacpp": LlamaCppBackend, "torch": TorchBackend}
 
 
 def problems(text: str, base_dir: Path = Path(".")) -> list[str]:
@@ -18,8 +19,9 @@ def problems(text: str, base_dir: Path = Path(".")) -> list[str]:
 
 def test_default_router_toml_is_valid():
     cfg = parse_config(Path("router.toml").read_bytes(), BACKENDS)
-    (m,) = cfg.models
-    assert isinstance(m, LlamaCppConfig) and m.name == "smollm2" and m.path.startswith("pkg:")
+    llama, torch_model = cfg.models
+    assert isinstance(llama, LlamaCppConfig) and llama.name == "smollm2" and llama.path.startswith("pkg:")
+    assert isinstance(torch_model, TorchConfig) and torch_model.name == "smollm2-torch"
     assert cfg.server.port == 8000
 
 

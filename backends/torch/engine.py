@@ -95,6 +95,7 @@ class TorchEngine:
             torch.set_num_threads(options.num_threads)
         per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype)
         num_blocks = max(1, options.kv_cache_bytes // per_block)
+        self._block_bytes = per_block
         # A sequence can never be longer than the whole cache.
         self.max_model_len = min(options.max_model_len, spec.max_position, num_blocks * options.block_size)
         model = CausalLM(spec, self.max_model_len)
@@ -126,12 +127,17 @@ class TorchEngine:
         await asyncio.to_thread(self._thread.join)
 
     def stats(self) -> dict[str, int]:
-        return {
+        out = {
             "running": len(self.scheduler.running),
             "waiting": self.scheduler.num_waiting + len(self._inbox),
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_total": self.pool.num_blocks,
+            "kv_cache_bytes": self.pool.num_blocks * self._block_bytes,
+            "preemptions": self.scheduler.preemptions,
         }
+        if self.options.device.type == "cuda":
+            out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.options.device)
+        return out
 
     # --- asyncio side ---------------------------------------------------------------------
 

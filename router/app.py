@@ -165,11 +165,23 @@ async def _generate(request: Request, endpoint: str) -> Response[Any]:
     state.plugins.pm.hook.prepare_request(
         request=req, model=backend.info, params=params, endpoint=endpoint
     )
+    _check_response_format(req, params)
     params.check_capabilities(backend.name, backend.config.backend, backend.capabilities)
     call = backend.chat if endpoint == "chat" else backend.complete
     if params.stream:
         return _reply(await call(req, params))
     return _reply(await _unless_disconnected(request, call(req, params)))
+
+
+def _check_response_format(req: Any, params: Any) -> None:
+    """A JSON response_format is only honoured through a structured-outputs plugin; without
+    one loaded it must not be silently ignored."""
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and type(fmt).__struct_config__.tag != "text" and params.constraint is None:
+        raise APIError(
+            "response_format other than `text` needs the structured_outputs plugin, which is not loaded.",
+            param="response_format",
+        )
 
 
 @post("/v1/chat/completions", status_code=200)

@@ -117,6 +117,7 @@ class LocalBackend(Backend):
         """Build the engine (may block: it runs in a worker thread)."""
 
     async def start(self) -> None:
+        from .constraints import GrammarCompiler
         from .templates import ChatTemplate
 
         self.engine = await asyncio.to_thread(self.create_engine)
@@ -130,6 +131,7 @@ class LocalBackend(Backend):
             if source
             else None
         )
+        self.grammars = GrammarCompiler(tok)
         self.capabilities = frozenset(self.engine.capabilities)
         self.max_model_len = self.engine.max_model_len
         self.state = "ready"

@@ -74,6 +74,9 @@ class EngineRequest:
     ignore_eos: bool = False
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    constraint: Any = None
+    """A :class:`router.constraints.TokenConstraint`: ask ``allowed()`` before sampling, call
+    ``advance(token)`` after; finish with "stop" once ``done``."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Plugin-defined parameters (``GenerationParams.extras``) for engines that know them."""
 
@@ -95,6 +98,26 @@ class EngineStep:
     finish_reason: str | None = None  # "stop" | "length"
     stop_token: int | None = None  # the stop_token_ids member that ended it, if any
     cached_tokens: int | None = None  # set on the first step: prompt tokens not recomputed
+
+
+def finish_reason(
+    request: EngineRequest, token: int, num_output: int, length: int, max_model_len: int, eos_ids: frozenset[int]
+) -> tuple[str | None, int | None]:
+    """Whether the token just sampled ends the sequence: (finish_reason, stop token id).
+
+    Engines call this after each sampled token; it also advances the request's constraint.
+    """
+    if request.constraint is not None:
+        request.constraint.advance(token)
+    if token in request.stop_token_ids:
+        return "stop", token
+    if token in eos_ids and not request.ignore_eos:
+        return "stop", None
+    if request.constraint is not None and request.constraint.done:
+        return "stop", None  # the grammar is complete: only end-of-sequence could follow
+    if num_output >= request.max_tokens or length >= max_model_len:
+        return "length", None
+    return None, None
 
 
 class EngineError(Exception):

@@ -37,6 +37,8 @@ class GenerationParams:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    constraint: Any = None
+    """A :class:`router.constraints.ConstraintSpec` the output must match (structured outputs)."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Engine parameters a plugin defines for engines that know them (passed through as is)."""
     requires: dict[str, str] = field(default_factory=dict)

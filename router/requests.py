@@ -158,9 +158,6 @@ def chat_params(request: ChatCompletionRequest) -> GenerationParams:
             params.require("tool_choice", "tool_choice")
         if choice != "none":
             params.tools = [msgspec.to_builtins(t) for t in request.tools]
-    fmt = request.response_format
-    if fmt is not None and type(fmt).__struct_config__.tag != "text":
-        params.require("structured_outputs", "response_format")
     return params
 
 

@@ -118,6 +118,7 @@ class Generation:
     params: GenerationParams
     max_tokens: int
     request_id: str
+    constraints: list[Any] | None = None  # one TokenConstraint per choice
     choices: list[Choice] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -149,6 +150,7 @@ class Generation:
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
             priority=params.priority,
+            constraint=self.constraints[choice.index] if self.constraints else None,
             extras=params.extras,
         )
 
@@ -216,6 +218,16 @@ class Generation:
         )
 
 
+async def _constraints(backend: "LocalBackend", params: GenerationParams, count: int) -> list[Any] | None:
+    """One fresh matcher per choice. Compiling (or a bad grammar's 400) happens here, before any
+    byte of a stream; it runs off the event loop, since a first compile can take a second."""
+    spec = params.constraint
+    if spec is None:
+        return None
+    first = await asyncio.to_thread(backend.grammars.constraint, spec)
+    return [first] + [backend.grammars.constraint(spec) for _ in range(count - 1)]
+
+
 def _check_finished(choice: Choice) -> None:
     if not choice.finished:
         raise EngineError("the engine ended the sequence without a finish reason")
@@ -264,7 +276,8 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     )
     max_tokens = check_length(len(prompt), params.max_tokens, engine.max_model_len, "messages")
     _check_logit_bias(params, tok)
-    gen = Generation(backend, [prompt], params, max_tokens, _request_id("chatcmpl"))
+    constraints = await _constraints(backend, params, params.n)
+    gen = Generation(backend, [prompt], params, max_tokens, _request_id("chatcmpl"), constraints)
     echo = _chat_echo(request) if params.echo else ""
     model = request.model
     created = int(time.time())
@@ -395,7 +408,8 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
     for ids in prompts:
         check_length(len(ids), max_tokens, engine.max_model_len, "prompt")
     _check_logit_bias(params, tok)
-    gen = Generation(backend, prompts, params, max_tokens, _request_id("cmpl"))
+    constraints = await _constraints(backend, params, len(prompts) * params.n)
+    gen = Generation(backend, prompts, params, max_tokens, _request_id("cmpl"), constraints)
     echoes = [""] * len(prompts)
     if params.echo:
         raw = request.prompt

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import llama_cpp
 import numpy as np
 
-from router.engine import EngineError, EngineRequest, EngineStep
+from router.engine import EngineError, EngineRequest, EngineStep, finish_reason
 
 from .sampler import Sampler
 from .tokenizer import LlamaCppTokenizer
@@ -38,6 +38,7 @@ CAPABILITIES = frozenset(
         "stop_token_ids",
         "priority",
         "seed",
+        "structured_outputs",
     }
 )
 
@@ -182,7 +183,6 @@ class LlamaCppEngine:
                 return
             self._eval(rest[i : i + self._n_batch])
         tok = self.tokenizer
-        eos = frozenset() if req.ignore_eos else tok.eos_token_ids
         sampler = Sampler(
             req.sampling,
             tok.vocab_size,
@@ -195,14 +195,11 @@ class LlamaCppEngine:
             if job.cancelled:
                 return
             logits = np.ctypeslib.as_array(self._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
-            token, logprobs = sampler.sample(logits)
-            finish = stop_token = None
-            if token in req.stop_token_ids:
-                finish, stop_token = "stop", token
-            elif token in eos:
-                finish = "stop"
-            elif n == req.max_tokens or len(self._cached) + 1 >= self.max_model_len:
-                finish = "length"
+            allowed = req.constraint.allowed() if req.constraint is not None else None
+            token, logprobs = sampler.sample(logits, allowed)
+            finish, stop_token = finish_reason(
+                req, token, n, len(self._cached) + 1, self.max_model_len, tok.eos_token_ids
+            )
             job.emit(
                 EngineStep(
                     [token],

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from router.engine import EngineError, EngineRequest, EngineStep
+from router.engine import EngineError, EngineRequest, EngineStep, finish_reason
 
 from .kv_cache import BlockPool, KVCache
 from .loader import Checkpoint
@@ -30,7 +30,18 @@ from .sequence import Sequence, Status
 log = logging.getLogger("router.torch")
 
 CAPABILITIES = frozenset(
-    {"logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "seed"}
+    {
+        "logprobs",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "priority",
+        "seed",
+        "structured_outputs",
+    }
 )
 
 
@@ -216,13 +227,7 @@ class TorchEngine:
             req = seq.request
             token = s.token
             seq.tokens.append(token)
-            finish = stop_token = None
-            if token in req.stop_token_ids:
-                finish, stop_token = "stop", token
-            elif token in self.tokenizer.eos_token_ids and not req.ignore_eos:
-                finish = "stop"
-            elif seq.num_output >= req.max_tokens or len(seq.tokens) >= self.max_model_len:
-                finish = "length"
+            finish, stop_token = finish_reason(req, token, seq.num_output, len(seq.tokens), self.max_model_len, self.tokenizer.eos_token_ids)
             first = seq.num_output == 1
             step_out = EngineStep(
                 [token],

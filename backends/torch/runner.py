@@ -99,10 +99,14 @@ class ModelRunner:
         suppress = frozenset()
         if seq.num_output < req.min_tokens:
             suppress = self.eos_ids | req.stop_token_ids
+        allowed = None
+        if req.constraint is not None:
+            allowed = torch.from_numpy(req.constraint.allowed())
         return RowSampling(
             params=params,
             generator=seq.sampling_state,
             output_ids=seq.output_ids,
             prompt_ids=seq.prompt_ids,
             suppress=suppress,
+            allowed=allowed,
         )

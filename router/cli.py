@@ -33,9 +33,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(path: str):  # type: ignore[no-untyped-def]
     from .config import ConfigError, load_config
-    from .plugins import load_plugins
+    from .plugins import PluginConflict, load_plugins
+    from .requests import FieldConflict, compose
 
-    plugins = load_plugins()
+    try:
+        plugins = load_plugins()
+        compose(plugins.request_fields())  # two plugins claiming one field stop us here
+    except (PluginConflict, FieldConflict) as exc:
+        print(f"plugins conflict: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         return load_config(path, plugins.backends), plugins
     except ConfigError as exc:

@@ -338,3 +338,26 @@ def test_disconnect_during_non_streaming_request_frees_the_engine(server, model)
         time.sleep(0.05)
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats.get("kv_blocks_used", 0) == 0
+
+
+def test_top_k_one_is_greedy_at_any_temperature(base_url, model):
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 16}
+    greedy = post(base_url, "/v1/chat/completions", {**body, "temperature": 0}).json()
+    for temperature in (0.7, 1.5):
+        r = post(base_url, "/v1/chat/completions", {**body, "temperature": temperature, "top_k": 1}).json()
+        assert r["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+
+
+def test_sampling_extras_are_honoured(base_url, model):
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    base = post(base_url, "/v1/chat/completions", {**body, "return_token_ids": True}).json()["choices"][0]
+    first = base["token_ids"][0]
+    banned = post(base_url, "/v1/chat/completions", {**body, "logit_bias": {str(first): -100},
+                                                    "return_token_ids": True}).json()["choices"][0]
+    assert banned["token_ids"][0] != first
+    r = post(base_url, "/v1/chat/completions", {**body, "min_tokens": 12, "max_tokens": 12,
+                                               "stop_token_ids": [base["token_ids"][1]]}).json()
+    assert r["usage"]["completion_tokens"] == 12
+    r = post(base_url, "/v1/chat/completions", {**body, "min_p": 0.5, "repetition_penalty": 1.3,
+                                               "temperature": 1.0, "top_k": 5, "seed": 3}).json()
+    assert r["choices"][0]["finish_reason"] in ("stop", "length")

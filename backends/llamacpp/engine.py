@@ -165,23 +165,48 @@ class LlamaCppEngine:
     def _run(self, job: _Job) -> None:
         req = job.request
         prompt = req.prompt_ids
-        # Keep the longest prefix already in the KV cache; always evaluate at least one token
-        # so that there are fresh logits to sample from.
+        # llama.cpp computes a one-token batch differently from a token inside a larger batch
+        # (logits differ by up to ~0.4 on SmolLM2), so the same request could answer differently
+        # with and without a cache hit. To keep it deterministic: the prompt's last token is
+        # always evaluated alone, everything before it in batches of two or more tokens, and only
+        # KV computed that way (never generated tokens') is reused by later requests.
         keep = 0
         for a, b in zip(self._cached, prompt):
             if a != b:
                 break
             keep += 1
         keep = min(keep, len(prompt) - 1)
+        if keep > 0 and len(prompt) - 1 - keep == 1:
+            keep -= 1  # never leave a lone token before the last one
         if not self._ctx.kv_cache_seq_rm(-1, keep, -1):
             keep = 0
             self._ctx.kv_cache_seq_rm(-1, 0, -1)
         del self._cached[keep:]
-        rest = prompt[keep:]
-        for i in range(0, len(rest), self._n_batch):
+        body = prompt[keep:-1]
+        step = self._n_batch
+        for i in range(0, len(body), step):
             if job.cancelled:
                 return
-            self._eval(rest[i : i + self._n_batch])
+            chunk = body[i : i + step]
+            if len(chunk) == 1 and i > 0:
+                # a lone remainder after a full batch: evaluate it with its predecessor instead
+                self._ctx.kv_cache_seq_rm(-1, len(self._cached) - 1, -1)
+                del self._cached[-1:]
+                chunk = body[i - 1 : i + 1]
+            self._eval(chunk)
+        if job.cancelled:
+            return
+        self._eval(prompt[-1:])
+        reusable = len(prompt)
+        try:
+            self._generate(job, keep)
+        finally:
+            # Generated tokens were evaluated one by one: not reusable (see above).
+            del self._cached[reusable:]
+
+    def _generate(self, job: _Job, keep: int) -> None:
+        req = job.request
+        prompt = req.prompt_ids
         tok = self.tokenizer
         sampler = Sampler(
             req.sampling,

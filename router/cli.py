@@ -60,13 +60,35 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     level = (args.log_level or config.server.log_level).lower()
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(level)
     for name, why in plugins.skipped.items():
         logging.getLogger("router").warning("plugin %s skipped: %s", name, why)
     app = create_app(config, plugins)
     logging.getLogger("router").info("serving %d model(s) on http://%s:%d", len(config.models), host, port)
-    uvicorn.run(app, host=host, port=port, log_level=level, access_log=False, lifespan="on")
+    # SIGTERM: uvicorn stops accepting, lets running requests (streams too) finish for up to
+    # shutdown_timeout seconds, then runs the lifespan shutdown and exits 0.
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=config.server.shutdown_timeout,
+        log_config=None,
+    )
     return 0
+
+
+def _configure_logging(level: str) -> None:
+    from .telemetry import RequestIdFilter
+
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.resources
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
 
 import msgspec
 from msgspec import Meta, Struct
@@ -25,11 +25,39 @@ class ConfigError(Exception):
         self.problems = problems
 
 
+class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Bounds a hostile client cannot get around (``[server.limits]``); each breach is a 400."""
+
+    max_messages: Annotated[int, Meta(ge=1)] = 4096
+    max_n: Annotated[int, Meta(ge=1)] = 128
+    max_stop: Annotated[int, Meta(ge=0)] = 64
+    max_stop_length: Annotated[int, Meta(ge=1)] = 1024
+    max_logit_bias: Annotated[int, Meta(ge=0)] = 1024
+    max_json_depth: Annotated[int, Meta(ge=2)] = 64
+    """Nesting of free-form JSON (tool parameters, schemas, chat_template_kwargs)."""
+    max_prompts: Annotated[int, Meta(ge=1)] = 256
+    """Prompts in one /v1/completions request."""
+
+
 class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 8 * 1024 * 1024
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_content: bool = False
+    """Log prompt and completion text. Off: logs never contain what users wrote."""
+    api_keys: list[str] = []
+    """Keys (``env:NAME`` or the key itself) that may use every model."""
+    shutdown_timeout: Annotated[float, Meta(ge=0)] = 30.0
+    """On SIGTERM, how long running requests may take to finish."""
+    limits: Limits = msgspec.field(default_factory=Limits)
+
+
+class KeyConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[[keys]]``: a key limited to some models (others look as if they did not exist)."""
+
+    key: str
+    models: list[str]
 
 
 class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -41,16 +69,24 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     chat_template: str | None = None
     """Path of a Jinja file that overrides the model's own chat template."""
     owned_by: str = "router"
+    max_tokens_limit: Annotated[int, Meta(ge=1)] | None = None
+    """Most tokens one request may generate; more is a 400, none asked means at most this."""
+    max_concurrency: Annotated[int, Meta(ge=1)] | None = None
+    """Requests running at once; more wait in the admission queue (None: no limit here)."""
+    max_queue: Annotated[int, Meta(ge=0)] | None = None
+    """Requests waiting beyond max_concurrency; past it, 429 at once (None: no limit)."""
 
 
 class _RawConfig(Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    keys: list[KeyConfig] = []
     models: list[dict[str, Any]] = []
 
 
 class RouterConfig(Struct, kw_only=True):
     server: ServerConfig
     models: list[ModelConfig]
+    keys: list[KeyConfig] = []
     base_dir: Path = Path(".")
     """Folder relative paths in the file are resolved against."""
 
@@ -117,9 +153,24 @@ def parse_config(
         seen[model.name] = i
         problems.extend(f"{where}.{p}" for p in model_problems(model, base_dir))
         models.append(model)
+    for i, key in enumerate(raw.server.api_keys):
+        problems.extend(f"server.api_keys[{i}]: {p}" for p in _secret_problems(key))
+    for i, entry in enumerate(raw.keys):
+        problems.extend(f"keys[{i}].key: {p}" for p in _secret_problems(entry.key))
+        for j, name in enumerate(entry.models):
+            if name not in seen:
+                problems.append(f"keys[{i}].models[{j}]: no model named `{name}`")
     if problems:
         raise ConfigError(problems)
-    return RouterConfig(server=raw.server, models=models, base_dir=base_dir)
+    return RouterConfig(server=raw.server, models=models, keys=raw.keys, base_dir=base_dir)
+
+
+def _secret_problems(spec: str) -> list[str]:
+    try:
+        value = resolve_secret(spec)
+    except ValueError as exc:
+        return [str(exc)]
+    return [] if value else ["empty key"]
 
 
 def model_problems(model: ModelConfig, base_dir: Path) -> list[str]:

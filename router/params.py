@@ -21,6 +21,8 @@ class GenerationParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     n: int = 1
     max_tokens: int | None = None
+    max_tokens_cap: int | None = None
+    """The model's ``max_tokens_limit``: the most a request may generate when it names no max."""
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -40,6 +42,8 @@ class GenerationParams:
     constraint: Any = None
     """A :class:`router.constraints.ConstraintSpec` the output must match (structured outputs)."""
     extras: dict[str, Any] = field(default_factory=dict)
+    record: Any = None
+    """The request's :class:`router.telemetry.RequestRecord`: backends report events to it."""
     """Engine parameters a plugin defines for engines that know them (passed through as is)."""
     requires: dict[str, str] = field(default_factory=dict)
     """Capability -> the request field that needs it; checked against the model's capabilities."""

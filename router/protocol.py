@@ -149,8 +149,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
-StopString = Annotated[str, Meta(max_length=1024)]
-Stop = Union[StopString, Annotated[list[StopString], Meta(max_length=64)]]
+Stop = Union[str, list[str]]
 
 
 class SamplingFields(Strict, kw_only=True):
@@ -161,7 +160,7 @@ class SamplingFields(Strict, kw_only=True):
     presence_penalty: Penalty | None = 0.0
     logit_bias: dict[str, Bias] | None = None
     max_tokens: PositiveInt | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] | None = 1
+    n: Annotated[int, Meta(ge=1)] | None = 1
     seed: Seed | None = None
     stop: Stop | None = None
     stream: bool | None = False

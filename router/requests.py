@@ -13,6 +13,7 @@ import msgspec
 
 from .engine import SamplingParams
 from .errors import BadRequest, from_validation_error
+from .config import Limits
 from .hookspecs import RequestField
 from .params import GenerationParams
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -133,6 +134,52 @@ def _common(request: Any) -> GenerationParams:
         include_usage=bool(opts and opts.include_usage),
         continuous_usage=bool(opts and opts.continuous_usage_stats),
     )
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a decoded value, counting no further than ``limit + 1``."""
+    if isinstance(value, msgspec.Struct):
+        children = (getattr(value, f) for f in value.__struct_fields__)
+    elif isinstance(value, dict):
+        children = value.values()
+    elif isinstance(value, (list, tuple)):
+        children = value
+    else:
+        return 0
+    if limit < 0:
+        return 1
+    deepest = 0
+    for child in children:
+        if isinstance(child, (msgspec.Struct, dict, list, tuple)):
+            deepest = max(deepest, json_depth(child, limit - 1))
+            if deepest > limit:
+                break
+    return deepest + 1
+
+
+def check_limits(request: Any, params: GenerationParams, limits: Limits) -> None:
+    """The operator's bounds (``[server.limits]``): each breach is a 400 naming the field."""
+
+    def over(param: str, what: str, value: int, limit: int) -> None:
+        if value > limit:
+            raise BadRequest(f"{what} is {value}; at most {limit} allowed.", param=param)
+
+    messages = getattr(request, "messages", None)
+    if messages is not None:
+        over("messages", "The number of messages", len(messages), limits.max_messages)
+    over("n", "n", params.n, limits.max_n)
+    over("stop", "The number of stop strings", len(params.stop), limits.max_stop)
+    for i, s in enumerate(params.stop):
+        over(f"stop[{i}]", "The stop string's length", len(s), limits.max_stop_length)
+    bias = params.sampling.logit_bias
+    over("logit_bias", "The number of logit_bias entries", len(bias or ()), limits.max_logit_bias)
+    prompt = getattr(request, "prompt", None)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        over("prompt", "The number of prompts", len(prompt), limits.max_prompts)
+    depth = json_depth(request, limits.max_json_depth + 4)
+    # The request's own structure takes a few levels (body, messages, content part...).
+    if depth > limits.max_json_depth + 4:
+        raise BadRequest(f"The request nests JSON deeper than {limits.max_json_depth} levels.")
 
 
 def chat_params(request: ChatCompletionRequest) -> GenerationParams:

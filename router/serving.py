@@ -163,6 +163,7 @@ class Generation:
                 async for step in steps:
                     text = choice.absorb(step)
                     if text or choice.finished:
+                        self._report(choice, text)
                         yield choice, text
                     if choice.finished:
                         return
@@ -196,6 +197,7 @@ class Generation:
                     _check_finished(choice)
                 text = choice.absorb(item)
                 if text or choice.finished:
+                    self._report(choice, text)
                     yield choice, text
                 if choice.finished:
                     pending -= 1
@@ -204,6 +206,24 @@ class Generation:
             for task in tasks.values():
                 task.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    def _report(self, choice: Choice, text: str) -> None:
+        record = self.params.record
+        if record is not None:
+            if text:
+                record.event(text)
+            if choice.finished:
+                record.finished(choice.finish_reason)
+
+    def report_usage(self) -> Usage:
+        """The usage so far, also handed to the request's record (metrics, log line)."""
+        usage = self.usage()
+        if self.params.record is not None:
+            details = usage.prompt_tokens_details
+            self.params.record.usage(
+                usage.prompt_tokens, usage.completion_tokens, details.cached_tokens if details else 0
+            )
+        return usage
 
     def usage(self) -> Usage:
         prompt_tokens = sum(len(p) for p in self.prompts)
@@ -226,6 +246,12 @@ async def _constraints(backend: "LocalBackend", params: GenerationParams, count:
         return None
     first = await asyncio.to_thread(backend.grammars.constraint, spec)
     return [first] + [backend.grammars.constraint(spec) for _ in range(count - 1)]
+
+
+def _failed(gen: Generation) -> None:
+    gen.report_usage()
+    if gen.params.record is not None:
+        gen.params.record.finished("error")
 
 
 def _check_finished(choice: Choice) -> None:
@@ -275,6 +301,8 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         template_kwargs=params.chat_template_kwargs,
     )
     max_tokens = check_length(len(prompt), params.max_tokens, engine.max_model_len, "messages")
+    if params.max_tokens is None and params.max_tokens_cap is not None:
+        max_tokens = min(max_tokens, params.max_tokens_cap)
     _check_logit_bias(params, tok)
     constraints = await _constraints(backend, params, params.n)
     gen = Generation(backend, [prompt], params, max_tokens, _request_id("chatcmpl"), constraints)
@@ -304,7 +332,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         created=created,
         model=model,
         choices=choices,
-        usage=gen.usage(),
+        usage=gen.report_usage(),
         prompt_token_ids=prompt if params.return_token_ids else UNSET,
     )
     return _json.encode(body)
@@ -365,13 +393,17 @@ async def _chat_stream(
                 ],
                 running_usage(),
             )
+        usage = gen.report_usage()
         if params.include_usage:
-            yield chunk([], gen.usage())
+            yield chunk([], usage)
     except APIError as exc:
+        _failed(gen)
         yield sse.event(exc.to_json())
     except EngineError as exc:
+        _failed(gen)
         yield sse.event(ServerError(f"The engine failed: {exc}").to_json())
     except Exception:  # noqa: BLE001 - a stream can only end with an error event now
+        _failed(gen)
         log.exception("stream %s failed", gen.request_id)
         yield sse.event(ServerError("Internal error while generating.").to_json())
     yield sse.DONE
@@ -404,7 +436,7 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
     if request.best_of is not None and request.best_of != params.n:
         raise BadRequest("best_of must equal n when given.", param="best_of")
     prompts = completion_prompts(request.prompt, tok)
-    max_tokens = params.max_tokens if params.max_tokens is not None else 16
+    max_tokens = params.max_tokens if params.max_tokens is not None else min(16, params.max_tokens_cap or 16)
     for ids in prompts:
         check_length(len(ids), max_tokens, engine.max_model_len, "prompt")
     _check_logit_bias(params, tok)
@@ -447,7 +479,7 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
                 ),
             )
         )
-    body = Completion(id=gen.request_id, created=created, model=model, choices=choices, usage=gen.usage())
+    body = Completion(id=gen.request_id, created=created, model=model, choices=choices, usage=gen.report_usage())
     return _json.encode(body)
 
 
@@ -494,13 +526,17 @@ async def _completion_stream(
                 ],
                 running_usage(),
             )
+        usage = gen.report_usage()
         if params.include_usage:
-            yield chunk([], gen.usage())
+            yield chunk([], usage)
     except APIError as exc:
+        _failed(gen)
         yield sse.event(exc.to_json())
     except EngineError as exc:
+        _failed(gen)
         yield sse.event(ServerError(f"The engine failed: {exc}").to_json())
     except Exception:  # noqa: BLE001
+        _failed(gen)
         log.exception("stream %s failed", gen.request_id)
         yield sse.event(ServerError("Internal error while generating.").to_json())
     yield sse.DONE

@@ -174,7 +174,38 @@ def test_deep_nesting_is_a_400_not_a_crash(types):
     assert "deep" in e.message
 
 
-@pytest.mark.parametrize("field,value", [("n", 129), ("stop", ["x"] * 65), ("stop", "x" * 1025)])
-def test_hostile_sizes_are_capped(types, field, value):
-    e = err(chat, types, **{field: value})
-    assert e.param == field
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("n", 129, "n"),
+        ("stop", ["x"] * 65, "stop"),
+        ("stop", "x" * 1025, "stop[0]"),
+        ("logit_bias", {str(i): 1 for i in range(1025)}, "logit_bias"),
+        ("messages", [{"role": "user", "content": "x"}] * 4097, "messages"),
+    ],
+)
+def test_hostile_sizes_are_capped_by_the_limits(types, field, value, param):
+    from router.config import Limits
+    from router.requests import check_limits
+
+    req = chat(types, **{field: value})
+    e = err(check_limits, req, chat_params(req), Limits())
+    assert e.param == param
+
+
+def test_limits_are_configurable_and_json_depth_is_bounded(types):
+    from router.config import Limits
+    from router.requests import check_limits
+
+    req = chat(types, n=3)
+    err(check_limits, req, chat_params(req), Limits(max_n=2))
+    nested = {"a": 1}
+    for _ in range(70):
+        nested = {"x": nested}
+    req = chat(types, chat_template_kwargs=nested)
+    e = err(check_limits, req, chat_params(req), Limits())
+    assert "deeper" in e.message
+    shallow = chat(types, chat_template_kwargs={"x": {"y": [1, {"z": 2}]}})
+    check_limits(shallow, chat_params(shallow), Limits())
+    many = types.decode_completions(b'{"model":"m","prompt":["a","b","c"]}')
+    err(check_limits, many, completion_params(many), Limits(max_prompts=2))

@@ -1,0 +1,92 @@
+"""Response helpers: JSON bodies, SSE streams that close their source, disconnect watching."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from litestar import Request, Response
+from litestar.response import Stream
+from litestar.response.streaming import ASGIStreamingResponse
+
+from . import sse
+from .errors import APIError
+
+T = TypeVar("T")
+
+
+class _ClosingStreamingResponse(ASGIStreamingResponse):
+    """Closes the event iterator as soon as the response ends, disconnects included, so the
+    engine frees the request at once rather than whenever the generator is collected."""
+
+    __slots__ = ()
+
+    async def send_body(self, send: Any, receive: Any) -> None:
+        try:
+            await super().send_body(send, receive)
+        finally:
+            aclose = getattr(self.iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class EventStream(Stream):
+    """``text/event-stream`` of pre-framed ``data: ...`` events."""
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+        super().__init__(events, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **(headers or {})})
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> ASGIStreamingResponse:
+        response = super().to_asgi_response(*args, **kwargs)
+        response.__class__ = _ClosingStreamingResponse
+        return response
+
+
+def json_response(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response[bytes]:
+    return Response(content=body, status_code=status, media_type="application/json", headers=headers)
+
+
+class ClientGone(APIError):
+    status = 499
+    type = "client_closed_request"
+
+    def __init__(self) -> None:
+        super().__init__("Client disconnected.")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (which frees its
+    engine work or its place in a queue) and raise :class:`ClientGone`."""
+    task = asyncio.ensure_future(work)
+    receive = request.receive
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def finally_after(events: AsyncIterator[bytes], done: Callable[[bool], None]) -> AsyncIterator[bytes]:
+    """Relay ``events``; call ``done(completed)`` when the stream ends, however it ends."""
+    completed = False
+    try:
+        async for event in events:
+            yield event
+        completed = True
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        done(completed)

@@ -1,0 +1,216 @@
+"""The HTTP endpoints: small handlers over :class:`router.state.RouterState`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get, post
+
+from . import __version__
+from .backend import Backend
+from .errors import APIError, BadRequest, ErrorBody
+from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from .requests import chat_params, check_limits, completion_params, decode_body
+from .responses import EventStream, finally_after, json_response, unless_disconnected
+from .state import RouterState
+from .telemetry import RequestRecord
+
+_encoder = msgspec.json.Encoder()
+
+
+def state_of(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+def _allowed(request: Request) -> frozenset[str] | None:
+    return getattr(request.state, "allowed_models", None)
+
+
+def _rid_header(request: Request) -> dict[str, str]:
+    return {"x-request-id": request.state.request_id}
+
+
+# --- generation -----------------------------------------------------------------------------
+
+
+async def _generate(request: Request, endpoint: str) -> Response[Any]:
+    state = state_of(request)
+    server = state.config.server
+    record = RequestRecord(state.metrics, request.state.request_id, endpoint, log_content=server.log_content)
+    body = b""
+    try:
+        body = await request.body()
+        if endpoint == "chat":
+            req = state.types.decode_chat(body)
+            params = chat_params(req)
+        else:
+            req = state.types.decode_completions(body)
+            params = completion_params(req)
+        record.model, record.stream = req.model, params.stream
+        check_limits(req, params, server.limits)
+        backend = state.model(req.model, _allowed(request))
+        record.backend = backend.config.backend
+        backend.check_ready()
+        state.plugins.pm.hook.prepare_request(request=req, model=backend.info, params=params, endpoint=endpoint)
+        _check_response_format(req, params)
+        params.check_capabilities(backend.name, backend.config.backend, backend.capabilities)
+        _cap_max_tokens(params, backend)
+        params.record = record
+        ticket = await unless_disconnected(request, state.queues[backend.name].acquire(params.priority))
+    except APIError as exc:
+        record.close(exc.status, _prompt_text(record, body))
+        raise
+    except Exception:
+        record.close(500, _prompt_text(record, body))
+        raise
+    call = backend.chat if endpoint == "chat" else backend.complete
+    try:
+        if params.stream:
+            events = await call(req, params)
+
+            def done(completed: bool) -> None:
+                ticket.release()
+                record.close(200 if completed else 499, _prompt_text(record, body))
+
+            return EventStream(finally_after(events, done), headers=_rid_header(request))
+        reply = await unless_disconnected(request, call(req, params))
+    except APIError as exc:
+        ticket.release()
+        record.close(exc.status, _prompt_text(record, body))
+        raise
+    except BaseException:
+        ticket.release()
+        record.close(500, _prompt_text(record, body))
+        raise
+    ticket.release()
+    record.close(200, _prompt_text(record, body))
+    return json_response(reply, headers=_rid_header(request))
+
+
+def _prompt_text(record: RequestRecord, body: bytes) -> str | None:
+    return body.decode("utf-8", "replace")[:20000] if record.log_content else None
+
+
+def _cap_max_tokens(params: Any, backend: Backend) -> None:
+    limit = backend.config.max_tokens_limit
+    if limit is None:
+        return
+    if params.max_tokens is not None and params.max_tokens > limit:
+        raise BadRequest(
+            f"max_tokens is {params.max_tokens}; model `{backend.name}` allows at most {limit}.",
+            param="max_tokens",
+        )
+    params.max_tokens_cap = limit
+
+
+def _check_response_format(req: Any, params: Any) -> None:
+    """A JSON response_format is only honoured through a structured-outputs plugin; without
+    one loaded it must not be silently ignored."""
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and type(fmt).__struct_config__.tag != "text" and params.constraint is None:
+        raise BadRequest(
+            "response_format other than `text` needs the structured_outputs plugin, which is not loaded.",
+            param="response_format",
+        )
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response[Any]:
+    """OpenAI chat completions, streamed (SSE) or not."""
+    return await _generate(request, "chat")
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response[Any]:
+    """OpenAI (legacy) text completions, streamed (SSE) or not."""
+    return await _generate(request, "completions")
+
+
+# --- vocabulary -----------------------------------------------------------------------------
+
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
+async def _vocabulary(request: Request, decoder: msgspec.json.Decoder, method: str) -> Response[bytes]:
+    req = decode_body(decoder, await request.body())
+    backend = state_of(request).model(req.model, _allowed(request))
+    backend.check_ready()
+    return json_response(await getattr(backend, method)(req), headers=_rid_header(request))
+
+
+@post("/tokenize", status_code=200)
+async def tokenize(request: Request) -> Response[bytes]:
+    """vLLM's ``/tokenize``: the token ids (and strings) a prompt or chat becomes."""
+    return await _vocabulary(request, _tokenize_decoder, "tokenize")
+
+
+@post("/detokenize", status_code=200)
+async def detokenize(request: Request) -> Response[bytes]:
+    """vLLM's ``/detokenize``: token ids back to text."""
+    return await _vocabulary(request, _detokenize_decoder, "detokenize")
+
+
+# --- models, health, metrics ----------------------------------------------------------------
+
+
+def _card(state: RouterState, backend: Backend) -> ModelCard:
+    return ModelCard(
+        id=backend.name,
+        created=state.created,
+        owned_by=backend.config.owned_by,
+        max_model_len=backend.max_model_len,
+        backend=backend.config.backend,
+        ready=backend.ready,
+    )
+
+
+@get("/v1/models")
+async def list_models(request: Request) -> Response[bytes]:
+    """Every model this caller may use, ready or not (see ``ready``)."""
+    state = state_of(request)
+    cards = [_card(state, b) for b in state.visible(_allowed(request))]
+    return json_response(_encoder.encode(ModelList(data=cards)))
+
+
+@get("/v1/models/{model_id:path}")
+async def get_model(request: Request) -> Response[bytes]:
+    """One model's card (model ids may contain slashes)."""
+    state = state_of(request)
+    model_id = str(request.path_params["model_id"]).lstrip("/")
+    return json_response(_encoder.encode(_card(state, state.model(model_id, _allowed(request)))))
+
+
+@get("/health")
+async def health(request: Request) -> Response[bytes]:
+    """200 once every model is ready; 503 naming each model that is not, and why."""
+    state = state_of(request)
+    models = {b.name: b.status() for b in state.models.values()}
+    waiting = [
+        f"{n} ({m['state']}{': ' + m['error'] if 'error' in m else ''})"
+        for n, m in models.items()
+        if m["state"] != "ready"
+    ]
+    if not waiting:
+        return json_response(_encoder.encode({"status": "ok", "models": models}))
+    error = ErrorBody(message="Not ready: " + "; ".join(waiting), type="service_unavailable", code="not_ready")
+    return json_response(_encoder.encode({"error": error, "models": models}), status=503)
+
+
+@get("/version")
+async def version() -> Response[bytes]:
+    """The router's version."""
+    return json_response(_encoder.encode({"version": __version__}))
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response[str]:
+    """Prometheus text format (docs/metrics.md)."""
+    return Response(
+        content=state_of(request).metrics.render(),
+        media_type="text/plain; version=0.0.4; charset=utf-8",
+    )
+
+
+ROUTES = [chat_completions, completions, tokenize, detokenize, list_models, get_model, health, version, metrics]

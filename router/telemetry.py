@@ -1,0 +1,112 @@
+"""Per-request bookkeeping: request ids in every log line, one summary line, metrics.
+
+The app opens a :class:`RequestRecord` for every generation request; the backend reports events
+(first token, each streamed event, usage, finish reasons) to it; closing it observes the
+histograms and counters and writes one logfmt line. Prompt and completion text are logged only
+when the operator turned ``log_content`` on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .metrics import RouterMetrics
+
+request_id: ContextVar[str] = ContextVar("request_id", default="-")
+log = logging.getLogger("router.request")
+
+
+class RequestIdFilter(logging.Filter):
+    """Puts the current request id on every log record (``%(request_id)s``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
+
+def new_request_id(header: str | None) -> str:
+    """Honour a sane client ``X-Request-Id``; otherwise make one."""
+    if header and len(header) <= 128 and header.isprintable() and " " not in header:
+        return header
+    return uuid.uuid4().hex
+
+
+@dataclass
+class RequestRecord:
+    """What one request did, as it happens."""
+
+    metrics: "RouterMetrics"
+    request_id: str
+    endpoint: str
+    model: str = "-"
+    backend: str = "-"
+    stream: bool = False
+    log_content: bool = False
+    start: float = field(default_factory=time.monotonic)
+    first_event: float | None = None
+    last_event: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return (self.model, self.backend)
+
+    def event(self, text: str = "") -> None:
+        """Something reached (or was ready for) the client: the first token, or one more."""
+        now = time.monotonic()
+        if self.first_event is None:
+            self.first_event = now
+        else:
+            self.metrics.itl.observe(self.labels, now - self.last_event)  # type: ignore[operator]
+        self.last_event = now
+        if self.log_content and text:
+            self.content.append(text)
+
+    def usage(self, prompt: int, completion: int, cached: int = 0) -> None:
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt, completion, cached
+
+    def finished(self, reason: str | None) -> None:
+        if reason:
+            self.finish_reasons.append(reason)
+
+    def close(self, status: int, prompt_text: str | None = None) -> None:
+        """Count it, observe it, log it. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        m, labels = self.metrics, self.labels
+        duration = time.monotonic() - self.start
+        m.requests.inc(labels + (str(status),))
+        if status == 200:
+            for reason in self.finish_reasons or ["unknown"]:
+                m.success.inc(labels + (reason,))
+            m.prompt_tokens.inc(labels, self.prompt_tokens)
+            m.generation_tokens.inc(labels, self.completion_tokens)
+            m.cached_tokens.inc(labels, self.cached_tokens)
+            m.prompt_hist.observe(labels, self.prompt_tokens)
+            m.generation_hist.observe(labels, self.completion_tokens)
+            m.e2e.observe(labels, duration)
+            if self.first_event is not None:
+                m.ttft.observe(labels, self.first_event - self.start)
+        ttft = f"{(self.first_event - self.start) * 1000:.1f}" if self.first_event else "-"
+        line = (
+            f"endpoint={self.endpoint} model={self.model} backend={self.backend} status={status} "
+            f"stream={str(self.stream).lower()} prompt_tokens={self.prompt_tokens} "
+            f"completion_tokens={self.completion_tokens} cached_tokens={self.cached_tokens} "
+            f"finish={','.join(self.finish_reasons) or '-'} ttft_ms={ttft} duration_ms={duration * 1000:.1f}"
+        )
+        if self.log_content:
+            line += f" prompt={prompt_text!r} completion={''.join(self.content)!r}"
+        log.info(line)
+

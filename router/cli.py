@@ -66,8 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(config, plugins)
     logging.getLogger("router").info("serving %d model(s) on http://%s:%d", len(config.models), host, port)
     # SIGTERM: uvicorn stops accepting, lets running requests (streams too) finish for up to
-    # shutdown_timeout seconds, then runs the lifespan shutdown and exits 0.
-    uvicorn.run(
+    # shutdown_timeout seconds, then runs the lifespan shutdown; we then exit 0.
+    config_ = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -77,7 +77,25 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=config.server.shutdown_timeout,
         log_config=None,
     )
+    _graceful_server()(config_).run()
     return 0
+
+
+def _graceful_server():  # type: ignore[no-untyped-def]
+    import signal
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after draining, which ends the process with status -15;
+        a shutdown the operator asked for is a success, so it exits 0 instead."""
+
+        def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    return GracefulServer
 
 
 def _configure_logging(level: str) -> None:

@@ -186,7 +186,7 @@ async def get_model(request: Request) -> Response[bytes]:
 async def health(request: Request) -> Response[bytes]:
     """200 once every model is ready; 503 naming each model that is not, and why."""
     state = state_of(request)
-    models = {b.name: b.status() for b in state.models.values()}
+    models = {b.name: {**b.status(), "queued": state.queues[b.name].waiting} for b in state.models.values()}
     waiting = [
         f"{n} ({m['state']}{': ' + m['error'] if 'error' in m else ''})"
         for n, m in models.items()

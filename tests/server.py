@@ -25,7 +25,7 @@ class RouterProcess:
     """``router serve`` with a given router.toml text; ``url`` once /health says ready."""
 
     def __init__(self, config_text: str, tmp: Path, *, env: dict[str, str] | None = None,
-                 wait_ready: bool = True, name: str = "router") -> None:
+                 wait_ready: bool = True, name: str = "router", log_level: str = "warning") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = tmp / f"{name}.toml"
@@ -34,7 +34,7 @@ class RouterProcess:
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config),
-             "--port", str(self.port), "--log-level", "warning"],
+             "--port", str(self.port), "--log-level", log_level],
             stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
         )

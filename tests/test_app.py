@@ -70,7 +70,7 @@ def test_only_named_plugins_declare_fields(client):
 
 def test_health_lists_models(client):
     r = client.get("/health")
-    assert r.status_code == 200 and r.json()["models"] == {"b": {"state": "ready"}}
+    assert r.status_code == 200 and r.json()["models"] == {"b": {"state": "ready", "queued": 0}}
 
 
 def test_two_plugins_registering_one_backend_fail_with_both_names():

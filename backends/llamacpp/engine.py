@@ -27,6 +27,11 @@ from .tokenizer import LlamaCppTokenizer
 
 log = logging.getLogger("router.llamacpp")
 
+# llama-cpp-python silences loading by pointing file descriptors 1 and 2 at /dev/null and back.
+# Two loads at once interleave that dance and can leave stderr on /dev/null for good (every later
+# log line lost), so loads take turns.
+_LOAD_LOCK = threading.Lock()
+
 CAPABILITIES = frozenset(
     {
         "logprobs",
@@ -66,16 +71,8 @@ class LlamaCppEngine:
         n_threads_batch: int | None,
         n_batch: int,
     ) -> None:
-        self._llm = llama_cpp.Llama(
-            model_path=model_path,
-            n_ctx=n_ctx,
-            n_batch=n_batch,
-            n_ubatch=n_batch,
-            n_threads=n_threads,
-            n_threads_batch=n_threads_batch,
-            logits_all=False,
-            verbose=False,
-        )
+        with _LOAD_LOCK:
+            self._llm = self._load(model_path, n_ctx, n_batch, n_threads, n_threads_batch)
         self._ctx = self._llm._ctx
         self._n_batch = n_batch
         self.tokenizer = LlamaCppTokenizer(self._llm)
@@ -90,6 +87,19 @@ class LlamaCppEngine:
         self._thread: threading.Thread | None = None
         self._closing = False
         self.running: _Job | None = None
+
+    @staticmethod
+    def _load(model_path: str, n_ctx: int, n_batch: int, n_threads: int | None, n_threads_batch: int | None) -> llama_cpp.Llama:
+        return llama_cpp.Llama(
+            model_path=model_path,
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_ubatch=n_batch,
+            n_threads=n_threads,
+            n_threads_batch=n_threads_batch,
+            logits_all=False,
+            verbose=False,
+        )
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 CONFIG ?= router.toml
 
-.PHONY: install serve test clean
+.PHONY: install serve test soak load clean
 
 install: $(STAMP)
 
@@ -23,6 +23,13 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Long runs, not part of `make test`: 64 streams for 2 minutes; 2,000 mixed requests.
+soak: install
+	$(BIN)/python -m pytest -m soak -s tests/test_soak.py
+
+load: install
+	$(BIN)/python -m pytest -m load -s tests/test_load.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -8,6 +8,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from server import RouterProcess, llamacpp_config, torch_config  # noqa: E402
 
 MODELS = ["smollm2", "smollm2-torch"]
+LONG_RUNNING = ("soak", "load")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Soak and load tests run only when asked for by marker (``-m soak``, ``-m load``)."""
+    expr = config.option.markexpr or ""
+    keep, skip = [], []
+    for item in items:
+        marks = {m for m in LONG_RUNNING if item.get_closest_marker(m)}
+        (skip if marks and not any(m in expr for m in marks) else keep).append(item)
+    if skip:
+        config.hook.pytest_deselected(items=skip)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -132,7 +132,10 @@ class LocalBackend(Backend):
             else None
         )
         self.grammars = GrammarCompiler(tok)
-        self.capabilities = frozenset(self.engine.capabilities)
+        capabilities = set(self.engine.capabilities)
+        if self.config.tool_parser and "structured_outputs" in capabilities:
+            capabilities.add("tool_choice")  # required / named calls are forced by a grammar
+        self.capabilities = frozenset(capabilities)
         self.max_model_len = self.engine.max_model_len
         self.state = "ready"
 

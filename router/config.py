@@ -69,6 +69,8 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     chat_template: str | None = None
     """Path of a Jinja file that overrides the model's own chat template."""
     owned_by: str = "router"
+    tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = "hermes"
+    """How a local model writes tool calls (docs/tools.md); None: the model takes no tools."""
     max_tokens_limit: Annotated[int, Meta(ge=1)] | None = None
     """Most tokens one request may generate; more is a 400, none asked means at most this."""
     max_concurrency: Annotated[int, Meta(ge=1)] | None = None

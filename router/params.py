@@ -39,6 +39,9 @@ class GenerationParams:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None
+    """None or "auto", "required", or the name of the function that must be called."""
+    parallel_tool_calls: bool = True
     constraint: Any = None
     """A :class:`router.constraints.ConstraintSpec` the output must match (structured outputs)."""
     extras: dict[str, Any] = field(default_factory=dict)

@@ -110,7 +110,10 @@ def build_chat_prompt(
     add_generation_prompt: bool,
     continue_final_message: bool,
     template_kwargs: dict[str, Any] | None,
+    tool_format: str | None = None,
 ) -> list[int]:
+    """Template and tokenize a conversation. With tools and a template that does not use them,
+    the tool list goes into the system message in ``tool_format``'s convention."""
     if template is None:
         raise BadRequest(
             "This model has no chat template; use /v1/completions or configure "
@@ -118,6 +121,11 @@ def build_chat_prompt(
             param="messages",
         )
     dicts = message_dicts(messages)
+    if tools and tool_format is not None:
+        from .tools.inject import inject, template_knows_tools
+
+        if not template_knows_tools(template.source):
+            dicts, tools = inject(dicts, tools, tool_format), None
     if continue_final_message and dicts[-1]["role"] != "assistant":
         raise BadRequest(
             "continue_final_message needs the last message to be from the assistant.",

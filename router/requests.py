@@ -205,6 +205,8 @@ def chat_params(request: ChatCompletionRequest) -> GenerationParams:
             params.require("tool_choice", "tool_choice")
         if choice != "none":
             params.tools = [msgspec.to_builtins(t) for t in request.tools]
+            params.tool_choice = choice if isinstance(choice, str) or choice is None else choice.function.name
+            params.parallel_tool_calls = request.parallel_tool_calls is not False
     return params
 
 

@@ -36,9 +36,13 @@ from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    DeltaToolCall,
+    DeltaToolCallFunction,
     DetokenizeResponse,
     PromptTokensDetails,
     ResponseMessage,
+    ResponseToolCall,
+    ResponseToolCallFunction,
     TokenizeResponse,
     TokenLogprob,
     TopLogprob,
@@ -71,9 +75,27 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cached_tokens: int = 0
+    tools: Any = None  # a router.tools ToolParser when the request has tools
+    content: list[str] = field(default_factory=list)
+    """Everything sent as message content (text outside tool calls), in order."""
 
-    def absorb(self, step: EngineStep) -> str:
-        """Take one engine step; return the text that may be sent now."""
+    def absorb(self, step: EngineStep) -> tuple[str, list[Any]]:
+        """Take one engine step; return the content text and tool-call deltas to send now."""
+        text = self._text(step)
+        calls: list[Any] = []
+        if self.tools is not None:
+            parsed = self.tools.push(text)
+            text, calls = parsed.content, parsed.calls
+            if self.finished:
+                end = self.tools.finish()
+                text, calls = text + end.content, calls + end.calls
+                if self.tools.calls and self.finish_reason == "stop":
+                    self.finish_reason = "tool_calls"
+        if text:
+            self.content.append(text)
+        return text, calls
+
+    def _text(self, step: EngineStep) -> str:
         self.token_ids.extend(step.token_ids)
         if step.logprobs:
             self.logprobs.extend(zip(step.token_ids, step.logprobs))
@@ -91,6 +113,10 @@ class Choice:
             out += self.stops.flush()
             self.finish_reason, self.stop_reason = step.finish_reason, step.stop_token
         return out
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
 
     @property
     def finished(self) -> bool:
@@ -154,17 +180,18 @@ class Generation:
             extras=params.extras,
         )
 
-    async def run(self) -> AsyncIterator[tuple[Choice, str]]:
-        """Yield (choice, text) whenever a choice has new text or has finished."""
+    async def run(self) -> AsyncIterator[tuple[Choice, str, list[Any]]]:
+        """Yield (choice, content text, tool-call deltas) whenever a choice has something new
+        or has finished."""
         engine = self.backend.engine
         if len(self.choices) == 1:
             choice = self.choices[0]
             async with aclosing(engine.generate(self._engine_request(choice))) as steps:
                 async for step in steps:
-                    text = choice.absorb(step)
-                    if text or choice.finished:
-                        self._report(choice, text)
-                        yield choice, text
+                    text, calls = choice.absorb(step)
+                    if text or calls or choice.finished:
+                        self._report(choice, text or bool(calls))
+                        yield choice, text, calls
                     if choice.finished:
                         return
             _check_finished(choice)
@@ -195,10 +222,10 @@ class Generation:
                     raise item
                 if item is None:
                     _check_finished(choice)
-                text = choice.absorb(item)
-                if text or choice.finished:
-                    self._report(choice, text)
-                    yield choice, text
+                text, calls = choice.absorb(item)
+                if text or calls or choice.finished:
+                    self._report(choice, text or bool(calls))
+                    yield choice, text, calls
                 if choice.finished:
                     pending -= 1
                     tasks[choice.index].cancel()  # a stop string: the engine may stop now
@@ -207,11 +234,11 @@ class Generation:
                 task.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
 
-    def _report(self, choice: Choice, text: str) -> None:
+    def _report(self, choice: Choice, text: str | bool) -> None:
         record = self.params.record
         if record is not None:
             if text:
-                record.event(text)
+                record.event(text if isinstance(text, str) else "")
             if choice.finished:
                 record.finished(choice.finish_reason)
 
@@ -291,6 +318,7 @@ def _request_id(prefix: str) -> str:
 async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) -> bytes | AsyncIterator[bytes]:
     engine = backend.engine
     tok = engine.tokenizer
+    parser = _tool_parser(backend, params)
     prompt = build_chat_prompt(
         backend.template,
         tok,
@@ -299,6 +327,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         add_generation_prompt=params.add_generation_prompt,
         continue_final_message=params.continue_final_message,
         template_kwargs=params.chat_template_kwargs,
+        tool_format=parser.name if parser is not None else None,
     )
     max_tokens = check_length(len(prompt), params.max_tokens, engine.max_model_len, "messages")
     if params.max_tokens is None and params.max_tokens_cap is not None:
@@ -306,6 +335,9 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     _check_logit_bias(params, tok)
     constraints = await _constraints(backend, params, params.n)
     gen = Generation(backend, [prompt], params, max_tokens, _request_id("chatcmpl"), constraints)
+    if parser is not None:
+        for c in gen.choices:
+            c.tools = parser(params.tools)
     echo = _chat_echo(request) if params.echo else ""
     model = request.model
     created = int(time.time())
@@ -319,7 +351,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     choices = [
         ChatChoice(
             index=c.index,
-            message=ResponseMessage(role="assistant", content=echo + c.stops.text),
+            message=_message(echo + c.text, c.tools),
             logprobs=_chat_logprobs(tok, c.logprobs) if params.sampling.logprobs is not None else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
@@ -336,6 +368,55 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         prompt_token_ids=prompt if params.return_token_ids else UNSET,
     )
     return _json.encode(body)
+
+
+def _tool_parser(backend: "LocalBackend", params: GenerationParams) -> Any:
+    """The model's tool parser class when the request has tools; with tool_choice "required" or a
+    named function, also the grammar that makes the output a well-formed call."""
+    if not params.tools:
+        return None
+    name = backend.config.tool_parser
+    if name is None:
+        raise BadRequest(
+            f"Model `{backend.name}` has no tool_parser configured, so it cannot take tools.",
+            param="tools",
+        )
+    from .constraints import ConstraintSpec
+    from .tools import get_parser
+
+    parser = get_parser(name)
+    if params.tool_choice not in (None, "auto", "none"):
+        if params.constraint is not None:
+            raise BadRequest(
+                "tool_choice `required` or a named function cannot be combined with another output constraint.",
+                param="tool_choice",
+            )
+        forced = None if params.tool_choice == "required" else params.tool_choice
+        # A named function means one call to it; "required" may call several when allowed.
+        try:
+            grammar = parser.grammar(params.tools, forced, params.parallel_tool_calls and forced is None)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="tool_choice") from None
+        params.constraint = ConstraintSpec("grammar", grammar, "tool_choice")
+    return parser
+
+
+def _message(content: str, tools: Any) -> ResponseMessage:
+    if tools is None or not tools.calls:
+        return ResponseMessage(role="assistant", content=content)
+    calls = [ResponseToolCall(id=c.id, function=ResponseToolCallFunction(c.name, c.arguments)) for c in tools.calls]
+    return ResponseMessage(role="assistant", content=content or None, tool_calls=calls)
+
+
+def _delta_calls(calls: list[Any]) -> list[DeltaToolCall]:
+    out = []
+    for d in calls:
+        if d.id is not None:
+            out.append(DeltaToolCall(index=d.index, id=d.id, type="function",
+                                     function=DeltaToolCallFunction(name=d.name, arguments=d.arguments)))
+        else:
+            out.append(DeltaToolCall(index=d.index, function=DeltaToolCallFunction(arguments=d.arguments)))
+    return out
 
 
 def _chat_echo(request: Any) -> str:
@@ -374,18 +455,23 @@ async def _chat_stream(
             )
             if echo:
                 yield chunk([ChunkChoice(index=c.index, delta=Delta(content=echo))], running_usage())
-        async for c, text in gen.run():
+        async for c, text, calls in gen.run():
             entries = c.take_logprobs() if want_logprobs else None
             extra: dict[str, Any] = {}
             if c.finished:
                 extra["stop_reason"] = c.stop_reason
             if params.return_token_ids:
                 extra["token_ids"] = c.take_token_ids()
+            delta = Delta()
+            if text:
+                delta.content = text
+            if calls:
+                delta.tool_calls = _delta_calls(calls)
             yield chunk(
                 [
                     ChunkChoice(
                         index=c.index,
-                        delta=Delta(content=text) if text else Delta(),
+                        delta=delta,
                         logprobs=_chat_logprobs(tok, entries) if want_logprobs else None,
                         finish_reason=c.finish_reason,
                         **extra,
@@ -466,7 +552,7 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         choices.append(
             CompletionChoice(
                 index=c.index,
-                text=echo + c.stops.text,
+                text=echo + c.text,
                 logprobs=_completion_logprobs(tok, c.logprobs, len(echo))
                 if params.sampling.logprobs is not None
                 else None,
@@ -504,7 +590,7 @@ async def _completion_stream(
             echo = echoes[c.prompt_index]
             if echo:
                 yield chunk([CompletionChoice(index=c.index, text=echo, logprobs=None, finish_reason=None)])
-        async for c, text in gen.run():
+        async for c, text, _ in gen.run():
             logprobs = None
             if want_logprobs:
                 entries = c.take_logprobs()
@@ -584,6 +670,7 @@ def tokenize(backend: "LocalBackend", request: Any) -> bytes:
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             template_kwargs=request.chat_template_kwargs,
+            tool_format=backend.config.tool_parser,
         )
         if request.add_special_tokens:
             ids = tok.encode("", add_special_tokens=True) + ids

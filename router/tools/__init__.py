@@ -1,0 +1,45 @@
+"""Tool calling: turn a model's streamed text into OpenAI ``tool_calls``, and the grammars that
+force a well-formed call when the request requires one.
+
+Each chat format has its parser (one module each); the registry maps the format names a model's
+config can name to the parser classes. A parser is one generation's state: make a new one per
+choice.
+
+The parsers read the markers as text: ``<|python_tag|>`` (Llama) and ``[TOOL_CALLS]`` (Mistral)
+are control tokens, so the text fed to a parser must spell them out (a detokenizer that drops
+control tokens hides Mistral's calls entirely, and Llama's tag-less fallback applies).
+"""
+
+from __future__ import annotations
+
+from .base import ParsedDelta, ToolCall, ToolCallDelta, ToolParser
+from .hermes import HermesParser
+from .llama3_json import Llama3JsonParser
+from .mistral import MistralParser
+
+PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)
+}
+"""Tool-call formats by name."""
+
+
+def get_parser(name: str) -> type[ToolParser]:
+    """The parser class for a format name; ValueError naming the known formats otherwise."""
+    try:
+        return PARSERS[name]
+    except KeyError:
+        known = ", ".join(sorted(PARSERS))
+        raise ValueError(f"Unknown tool-call format `{name}`; known formats: {known}.") from None
+
+
+__all__ = [
+    "PARSERS",
+    "HermesParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "ParsedDelta",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "get_parser",
+]

@@ -78,15 +78,37 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
-async def finally_after(events: AsyncIterator[bytes], done: Callable[[bool], None]) -> AsyncIterator[bytes]:
-    """Relay ``events``; call ``done(completed)`` when the stream ends, however it ends."""
-    completed = False
-    try:
-        async for event in events:
-            yield event
-        completed = True
-    finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        done(completed)
+class Relay:
+    """Relays ``events``; calls ``done(completed)`` exactly once when the stream ends, however
+    it ends: exhausted, failed, or closed by the response (client gone) even before it started.
+    (An async generator would skip its ``finally`` when closed before its first step.)"""
+
+    def __init__(self, events: AsyncIterator[bytes], done: Callable[[bool], None]) -> None:
+        self._events = events
+        self._done: Callable[[bool], None] | None = done
+
+    def __aiter__(self) -> "Relay":
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._events.__anext__()
+        except StopAsyncIteration:
+            self._finish(True)
+            raise
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._events, "aclose", None)
+        try:
+            if aclose is not None:
+                await aclose()
+        finally:
+            self._finish(False)
+
+    def _finish(self, completed: bool) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done(completed)

@@ -12,7 +12,7 @@ from .backend import Backend
 from .errors import APIError, BadRequest, ErrorBody
 from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from .requests import chat_params, check_limits, completion_params, decode_body
-from .responses import EventStream, finally_after, json_response, unless_disconnected
+from .responses import EventStream, Relay, json_response, unless_disconnected
 from .state import RouterState
 from .telemetry import RequestRecord
 
@@ -67,13 +67,15 @@ async def _generate(request: Request, endpoint: str) -> Response[Any]:
     call = backend.chat if endpoint == "chat" else backend.complete
     try:
         if params.stream:
-            events = await call(req, params)
+            # A backend may wait for its upstream's first event before answering: a client
+            # that leaves meanwhile must not keep that work going.
+            events = await unless_disconnected(request, call(req, params))
 
             def done(completed: bool) -> None:
                 ticket.release()
                 record.close(200 if completed else 499, _prompt_text(record, body))
 
-            return EventStream(finally_after(events, done), headers=_rid_header(request))
+            return EventStream(Relay(events, done), headers=_rid_header(request))
         reply = await unless_disconnected(request, call(req, params))
     except APIError as exc:
         ticket.release()

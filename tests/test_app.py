@@ -134,3 +134,28 @@ def test_failed_model_reports_why_and_others_keep_serving():
         assert r.status_code == 503 and "nowhere.gguf" in r.json()["error"]["message"]
         assert r.headers.get("retry-after")
         assert c.post("/v1/completions", json={"model": "b", "prompt": "x"}).status_code == 400
+
+
+def test_relay_reports_once_however_the_stream_ends():
+    import asyncio
+
+    from router.responses import Relay
+
+    async def events():
+        yield b"a"
+        yield b"b"
+
+    async def main():
+        seen = []
+        r = Relay(events(), seen.append)
+        assert [e async for e in r] == [b"a", b"b"]
+        await r.aclose()
+        closed_early = []
+        await Relay(events(), closed_early.append).aclose()  # never iterated: still reported
+        half = []
+        r = Relay(events(), half.append)
+        await r.__anext__()
+        await r.aclose()
+        return seen, closed_early, half
+
+    assert asyncio.run(main()) == ([True], [False], [False])

@@ -112,10 +112,11 @@ def test_admission_queue_full_is_an_immediate_429_and_gone_clients_leave_it(ops)
             queued = [asyncio.create_task(stream()) for _ in range(2)]
             while ops.health()[1]["models"]["smollm2"]["queued"] < 2:
                 await asyncio.sleep(0.02)
-            t0 = time.monotonic()
             r = await client.post(f"{ops.url}/v1/chat/completions", json={**long, "stream": False})
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
-            assert r.json()["error"]["type"] == "rate_limit_error" and time.monotonic() - t0 < 2
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            # answered at once: the running and queued requests are all still going
+            assert not running.done() and not any(q.done() for q in queued)
             queued[1].cancel()  # this client gives up while waiting
             await asyncio.gather(queued[1], return_exceptions=True)
             deadline = time.monotonic() + 5

@@ -1,0 +1,220 @@
+"""Relaying one upstream event stream to the client, event by event.
+
+Each upstream event is sent on as soon as it has been read: never held back to be batched with
+the next one. On the way, ``model`` becomes the name the client used, the usage chunk (always
+requested upstream) is dropped unless the client asked for it, and an upstream error event
+becomes the router's envelope. A stream the upstream breaks off (connection lost, silence past
+``read_timeout``, closed before ``[DONE]``, an event that is not JSON) ends for the client with an
+error event and ``data: [DONE]``, never silently.
+
+An explicit async iterator rather than an async generator: ``aclose()`` must close the upstream
+response even if the app closes the stream before ever reading from it (a client that disconnects
+at once), and an unstarted generator's ``finally`` never runs. If nobody closes it at all (the app
+wraps it in a generator that was never started), ``__del__`` still releases the deployment and the
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import msgspec
+
+from router import sse
+from router.errors import ErrorBody, ErrorEnvelope
+
+from .client import describe
+from .errors import blames_request, body_from_json, status_of
+from .events import EventSplitter
+
+if TYPE_CHECKING:
+    from .deployment import Deployment
+    from .relay import Relay
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+DRAIN_S = 1.0
+"""After ``[DONE]``, how long to wait for the end of the upstream response so its connection can
+be reused; the client already has everything by then."""
+
+
+def error_event(body: ErrorBody) -> bytes:
+    return sse.event(_encode(ErrorEnvelope(body)))
+
+
+def report_usage(record: Any, usage: Any) -> None:
+    """Hand an upstream ``usage`` object to the request's record (metrics, log line)."""
+    if record is None or not isinstance(usage, dict):
+        return
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    record.usage(prompt if isinstance(prompt, int) else 0, completion if isinstance(completion, int) else 0,
+                 cached if isinstance(cached, int) else 0)
+
+
+def report_choices(record: Any, choices: Any, *, streamed: bool) -> None:
+    """Text (streams only: it times the first token and the gaps) and finish reasons."""
+    if record is None or not isinstance(choices, list):
+        return
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if streamed:
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if text and isinstance(text, str):
+                record.event(text)
+        reason = choice.get("finish_reason")
+        if reason and isinstance(reason, str):
+            record.finished(reason)
+
+
+def is_error(obj: Any) -> bool:
+    return "error" in obj or obj.get("object") == "error"
+
+
+class RelayStream:
+    """The client's event stream for one upstream response (already known to be healthy: the
+    relay read its first event before the client got any byte)."""
+
+    __slots__ = (
+        "_relay", "_d", "_resp", "_splitter", "_events", "_tail", "_model", "_include_usage",
+        "_continuous", "_ended", "_clean", "_closed", "_record",
+    )
+
+    def __init__(
+        self, relay: Relay, d: Deployment, resp: aiohttp.ClientResponse, splitter: EventSplitter,
+        events: list[bytes], model: str, include_usage: bool, continuous_usage: bool,
+        record: Any = None,
+    ) -> None:
+        self._relay = relay
+        self._d = d
+        self._resp = resp
+        self._splitter = splitter
+        self._events = deque(events)
+        self._tail: list[bytes] = []
+        self._model = model
+        self._include_usage = include_usage
+        self._continuous = continuous_usage
+        self._ended = False  # no more upstream events will be relayed
+        self._clean = False  # the upstream sent [DONE]
+        self._closed = False
+        self._record = record  # router.telemetry.RequestRecord, or None
+
+    def __aiter__(self) -> RelayStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            if self._tail:
+                return self._tail.pop(0)
+            if self._events:
+                out = self._relay_event(self._events.popleft())
+                if out is not None:
+                    return out
+                continue
+            if self._ended:
+                await self.aclose()
+                raise StopAsyncIteration
+            await self._read()
+
+    async def _read(self) -> None:
+        try:
+            async with asyncio.timeout(self._d.read_timeout):
+                chunk = await self._resp.content.readany()
+        except TimeoutError:
+            self._break(f"sent nothing for {self._d.read_timeout:g}s")
+        except aiohttp.ClientError as exc:
+            self._break(describe(exc))
+        else:
+            if chunk:
+                self._events.extend(self._splitter.feed(chunk))
+            else:
+                self._break("closed the stream before `data: [DONE]`")
+
+    def _relay_event(self, payload: bytes) -> bytes | None:
+        if payload == b"[DONE]":
+            self._ended = self._clean = True
+            self._events.clear()
+            self._relay.succeeded(self._d)
+            return sse.DONE
+        try:
+            obj = _decode(payload)
+        except msgspec.DecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            self._break("sent an event that is not a JSON object")
+            return None
+        if is_error(obj):
+            body = body_from_json(obj, None) or ErrorBody("Upstream error.", "server_error")
+            if blames_request(status_of(body)):
+                self._relay.succeeded(self._d)  # the request's fault, not the deployment's
+            else:
+                self._relay.failed(self._d, f"error event mid-stream: {body.message}")
+            self._finish_with(body)
+            return None
+        choices = obj.get("choices")
+        if choices:
+            report_choices(self._record, choices, streamed=True)
+        if "usage" in obj:
+            usage = obj["usage"]
+            if not choices:
+                self._d.record_usage(usage)
+                report_usage(self._record, usage)
+                if not self._include_usage:
+                    return None
+            elif not self._continuous:
+                del obj["usage"]
+        if "model" in obj:
+            obj["model"] = self._model
+        return b"data: " + _encode(obj) + b"\n\n"
+
+    def _break(self, why: str) -> None:
+        """The upstream broke the stream: count it against the deployment, tell the client."""
+        self._relay.failed(self._d, f"stream broken: {why}")
+        if self._record is not None:
+            self._record.finished("error")
+        message = f"The upstream `{self._d.name}` {why}; the response is incomplete."
+        self._finish_with(ErrorBody(message, "server_error", None, "upstream_stream_broken"))
+
+    def _finish_with(self, body: ErrorBody) -> None:
+        """End the client's stream with ``body`` as an error event, then ``[DONE]``."""
+        self._ended = True
+        self._events.clear()
+        self._tail = [error_event(body), sse.DONE]
+        self._resp.close()  # whatever else comes is not relayed; do not reuse the connection
+
+    def __del__(self) -> None:
+        # Only if the app never closed the stream (its response never started): do not leak the
+        # upstream connection or the in-flight count.
+        if not self._closed:
+            self._closed = True
+            self._resp.close()
+            self._relay.release(self._d)
+
+    async def aclose(self) -> None:
+        """Release the upstream response: back to the pool after a clean end, else closed at
+        once (a client that left must not keep the upstream generating)."""
+        if self._closed:
+            return
+        self._closed = True
+        resp = self._resp
+        try:
+            if self._clean and not resp.content.at_eof():
+                try:
+                    async with asyncio.timeout(DRAIN_S):
+                        while await resp.content.readany():
+                            pass
+                except (TimeoutError, aiohttp.ClientError):
+                    pass
+            if self._clean and resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()
+        finally:
+            self._relay.release(self._d)

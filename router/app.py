@@ -13,9 +13,7 @@ from typing import AsyncIterator
 import msgspec
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
-from litestar.openapi import OpenAPIConfig
 
-from . import __version__
 from .auth import OPEN_PATHS
 from .config import RouterConfig
 from .errors import APIError, ErrorBody, ErrorEnvelope, ServerError
@@ -106,7 +104,7 @@ def create_app(config: RouterConfig, plugins: Plugins | None = None) -> Litestar
         },
         lifespan=[lifespan],
         request_max_body_size=config.server.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="router", version=__version__, path="/schema"),
+        openapi_config=None,  # ours is built from the msgspec types: router/openapi.py
         debug=False,
         logging_config=None,  # the CLI configures logging; no second set of handlers
     )

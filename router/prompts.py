@@ -138,13 +138,16 @@ def build_chat_prompt(
         continue_final_message=continue_final_message,
         kwargs=template_kwargs,
     )
-    return encode_chat(tokenizer, rendered)
+    ids = encode_chat(tokenizer, rendered)
+    if not ids:
+        raise BadRequest("The chat template rendered these messages to an empty prompt.", param="messages")
+    return ids
 
 
 def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer) -> list[list[int]]:
     """The prompts of a completions request as token ids: a string, strings, ids, or lists of ids."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, add_special_tokens=True)]
+        return _nonempty([tokenizer.encode(prompt, add_special_tokens=True)])
     if not prompt:
         raise BadRequest("prompt must not be empty.", param="prompt")
     kinds = {type(p) for p in prompt}
@@ -156,7 +159,7 @@ def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer) -> list[li
         )
     kind = kinds.pop()
     if kind is str:
-        return [tokenizer.encode(p, add_special_tokens=True) for p in prompt]
+        return _nonempty([tokenizer.encode(p, add_special_tokens=True) for p in prompt])
     if kind is int:
         prompts = [list(prompt)]
     else:
@@ -170,6 +173,14 @@ def completion_prompts(prompt: str | list[Any], tokenizer: Tokenizer) -> list[li
                 f"Token id {bad} is out of the vocabulary (0 to {tokenizer.vocab_size - 1}).",
                 param="prompt",
             )
+    return prompts
+
+
+def _nonempty(prompts: list[list[int]]) -> list[list[int]]:
+    for i, ids in enumerate(prompts):
+        if not ids:
+            # Nothing to condition on (this tokenizer adds no BOS): engines need a token.
+            raise BadRequest("The prompt is empty after tokenization.", param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
     return prompts
 
 

@@ -215,4 +215,15 @@ async def metrics(request: Request) -> Response[str]:
     )
 
 
-ROUTES = [chat_completions, completions, tokenize, detokenize, list_models, get_model, health, version, metrics]
+@get("/schema/openapi.json")
+async def openapi(request: Request) -> Response[bytes]:
+    """This API's OpenAPI document (request types include the loaded plugins' fields)."""
+    state = state_of(request)
+    if state.openapi is None:
+        from .openapi import build
+
+        state.openapi = _encoder.encode(build(state.types, list(state.models)))
+    return json_response(state.openapi)
+
+
+ROUTES = [chat_completions, completions, tokenize, detokenize, list_models, get_model, health, version, metrics, openapi]

@@ -36,6 +36,7 @@ class RouterState:
         self.keyring = Keyring(config)
         self.metrics = RouterMetrics(self.gauges)
         self.created = int(time.time())
+        self.openapi: bytes | None = None  # built on first request
         self._loading: list[asyncio.Task[None]] = []
 
     def model(self, name: str, allowed: frozenset[str] | None = None) -> Backend:

@@ -94,3 +94,11 @@ def test_openai_sdk_completions(base_url, model):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=model, prompt="Paris is", max_tokens=5, temperature=0, stream=True))
     assert streamed == r.choices[0].text
+
+
+def test_empty_prompt_is_a_400_not_a_stuck_engine(base_url, model):
+    for prompt in ("", ["ok", ""]):
+        r = post(base_url, {"model": model, "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")
+    # and the engine still serves
+    assert post(base_url, {"model": model, "prompt": "Hello", "max_tokens": 2}).status_code == 200

@@ -102,3 +102,9 @@ def test_sampling_frequencies_follow_the_distribution():
     got = draws(SamplingParams(seed=11), 3000, logits)
     freq = [got.count(i) / len(got) for i in range(3)]
     assert freq == pytest.approx([0.5, 0.3, 0.2], abs=0.04)
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 - 1, 0])
+def test_any_64_bit_seed_works_and_reproduces(seed):
+    a = draws(SamplingParams(seed=seed), 20)
+    assert a == draws(SamplingParams(seed=seed), 20)

@@ -462,3 +462,10 @@ def test_tokens_tied_at_the_top_k_or_top_p_cut_are_all_kept():
     assert set(batch_draws(SamplingParams(top_k=2), 600, logits)) == {3, 8, 21}
     # numpy would keep one of the three (whichever its sort puts first); ties are kept here
     assert set(batch_draws(SamplingParams(top_p=0.2), 600, logits)) == {3, 8, 21}
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 - 1])
+def test_engine_seed_range_is_any_64_bit_integer(seed):
+    # the runner folds request seeds into torch's range the same way
+    g = torch.Generator().manual_seed(seed % (2**63))
+    assert isinstance(torch.rand(1, generator=g).item(), float)

@@ -126,6 +126,8 @@ class LlamaCppEngine:
     # --- asyncio side ---------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        if not request.prompt_ids:
+            raise EngineError("the prompt is empty")
         job = _Job(request, asyncio.get_running_loop())
         with self._cv:
             if self._closing:

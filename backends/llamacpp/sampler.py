@@ -30,7 +30,8 @@ class Sampler:
     ) -> None:
         self.p = params
         self.vocab_size = vocab_size
-        self.rng = np.random.default_rng(params.seed)
+        # Any 64-bit seed, negative ones too (numpy takes only non-negative).
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.generated = 0
         self.min_tokens = min_tokens
         self._suppress = np.fromiter(suppress_until_min, dtype=np.int64) if suppress_until_min else None

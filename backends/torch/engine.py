@@ -153,6 +153,8 @@ class TorchEngine:
     # --- asyncio side ---------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        if not request.prompt_ids:
+            raise EngineError("the prompt is empty")
         if len(request.prompt_ids) + request.max_tokens > self.max_model_len:
             raise EngineError(
                 f"prompt ({len(request.prompt_ids)}) plus max_tokens ({request.max_tokens}) exceeds "

@@ -41,6 +41,24 @@ class Tokenizer(Protocol):
         ...
 
 
+# What both built-in local engines honour: everything the sampling extras and the structured-
+# outputs plugin can ask for.
+LOCAL_ENGINE_CAPABILITIES = frozenset(
+    {
+        "logprobs",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "priority",
+        "seed",
+        "structured_outputs",
+    }
+)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token. Defaults mean "plain sampling from the model"."""

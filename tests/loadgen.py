@@ -46,6 +46,15 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, rng: rand
     disconnect_after = rng.randint(0, 6) if rng.random() < disconnect_p else None
     try:
         if not stream:
+            if disconnect_after is not None:
+                # the client gives up before the answer comes: its connection is closed
+                try:
+                    await asyncio.wait_for(client.post(f"{url}/v1/chat/completions", json=body),
+                                           timeout=rng.uniform(0.01, 0.3))
+                    out.add("ok")
+                except asyncio.TimeoutError:
+                    out.add("disconnected")
+                return
             r = await client.post(f"{url}/v1/chat/completions", json=body)
             if r.status_code == 200:
                 data = r.json()

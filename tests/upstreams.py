@@ -23,7 +23,7 @@ from typing import Any
 
 import uvicorn
 
-from server import free_port
+from server import free_port, stop_process
 
 BEHAVIOURS = (
     "ok",                 # a normal answer: JSON, or `events` content chunks + finish (+ usage) + [DONE]
@@ -308,11 +308,5 @@ class LlamaCppServer:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()

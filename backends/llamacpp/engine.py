@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import llama_cpp
 import numpy as np
 
-from router.engine import EngineError, EngineRequest, EngineStep, finish_reason
+from router.engine import LOCAL_ENGINE_CAPABILITIES, EngineError, EngineRequest, EngineStep, finish_reason
 
 from .sampler import Sampler
 from .tokenizer import LlamaCppTokenizer
@@ -32,20 +32,6 @@ log = logging.getLogger("router.llamacpp")
 # log line lost), so loads take turns.
 _LOAD_LOCK = threading.Lock()
 
-CAPABILITIES = frozenset(
-    {
-        "logprobs",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "stop_token_ids",
-        "priority",
-        "seed",
-        "structured_outputs",
-    }
-)
 
 
 @dataclass(eq=False)
@@ -78,7 +64,7 @@ class LlamaCppEngine:
         self.tokenizer = LlamaCppTokenizer(self._llm)
         self.chat_template: str | None = self._llm.metadata.get("tokenizer.chat_template")
         self.max_model_len = self._llm.n_ctx()
-        self.capabilities = CAPABILITIES
+        self.capabilities = LOCAL_ENGINE_CAPABILITIES
         self._n_vocab = self._llm.n_vocab()
         self._cached: list[int] = []  # tokens whose KV is in the context, in order
         self._heap: list[tuple[int, float, int, _Job]] = []

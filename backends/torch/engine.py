@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from router.engine import EngineError, EngineRequest, EngineStep, finish_reason
+from router.engine import LOCAL_ENGINE_CAPABILITIES, EngineError, EngineRequest, EngineStep, finish_reason
 
 from .kv_cache import BlockPool, KVCache
 from .loader import Checkpoint
@@ -29,20 +29,6 @@ from .sequence import Sequence, Status
 
 log = logging.getLogger("router.torch")
 
-CAPABILITIES = frozenset(
-    {
-        "logprobs",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "stop_token_ids",
-        "priority",
-        "seed",
-        "structured_outputs",
-    }
-)
 
 
 @dataclass
@@ -101,7 +87,7 @@ class TorchEngine:
         spec = checkpoint.spec
         self.tokenizer = checkpoint.tokenizer
         self.chat_template = checkpoint.chat_template
-        self.capabilities = CAPABILITIES
+        self.capabilities = LOCAL_ENGINE_CAPABILITIES
         if options.num_threads and options.device.type == "cpu":
             torch.set_num_threads(options.num_threads)
         per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype)

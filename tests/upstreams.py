@@ -142,8 +142,9 @@ class FaultUpstream:
         elif request.get("stream"):
             await self._stream(request, path, receive, send, behaviour)
         else:
-            await self._send_json(send, 200, self._completion(request, path))
+            # Counted before the bytes go out: a client holding the answer sees the count.
             self.finished += 1
+            await self._send_json(send, 200, self._completion(request, path))
 
     async def _client_left_within(self, receive: Any, seconds: float) -> bool:
         try:
@@ -225,8 +226,8 @@ class FaultUpstream:
             if behaviour == "no_done":
                 await self._body(send, b"", more=False)
                 return
+            self.finished += 1  # before the last bytes, as above
             await self._body(send, b"data: [DONE]\n\n", more=False)
-            self.finished += 1
         finally:
             left.cancel()
 

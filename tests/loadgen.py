@@ -22,6 +22,9 @@ class Outcome:
     counts: Counter = field(default_factory=Counter)
     malformed: list[str] = field(default_factory=list)
     sent: int = 0
+    unsent: int = 0
+    """Requests given up before their headers were written to the socket: the router never
+    saw them, so they are in no router count."""
 
     def add(self, kind: str) -> None:
         self.counts[kind] += 1
@@ -48,12 +51,20 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, rng: rand
         if not stream:
             if disconnect_after is not None:
                 # the client gives up before the answer comes: its connection is closed
+                written = []
+
+                async def trace(event: str, info: dict) -> None:
+                    if event == "http11.send_request_headers.complete":
+                        written.append(event)
+
                 try:
-                    await asyncio.wait_for(client.post(f"{url}/v1/chat/completions", json=body),
+                    await asyncio.wait_for(client.post(f"{url}/v1/chat/completions", json=body,
+                                                       extensions={"trace": trace}),
                                            timeout=rng.uniform(0.01, 0.3))
                     out.add("ok")
                 except asyncio.TimeoutError:
                     out.add("disconnected")
+                    out.unsent += not written
                 return
             r = await client.post(f"{url}/v1/chat/completions", json=body)
             if r.status_code == 200:

@@ -40,6 +40,20 @@ def test_continue_final_message_keeps_trailing_space_when_rendered():
     assert out.endswith("The answer is ")
 
 
+@pytest.mark.parametrize("content", [
+    "{{ 7 * 7 }}",
+    "{% if true %}yes{% endif %}",
+    "{{ ''.__class__ }}{% raw %}",
+    "{# comment #}{%- endfor %}",
+    "{{ raise_exception('boom') }}",
+])
+def test_jinja_written_by_a_user_is_text(content):
+    """A message is data to the template, never template source: it comes out verbatim."""
+    msgs = [{"role": "user", "content": content}]
+    out = ChatTemplate(CHATML).render(msgs).text
+    assert out == f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_trim_and_lstrip_blocks():
     src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}"
     assert ChatTemplate(src).render(MSGS).text == "[Hi]\n"

@@ -23,9 +23,9 @@ class StreamError(RuntimeError):
     """The router answered with an HTTP error or an in-stream error event."""
 
 
-def request_body(model: str, i: int, max_tokens: int) -> dict:
+def request_body(model: str, i: int, max_tokens: int, extra: dict | None = None) -> dict:
     """Greedy, exactly ``max_tokens`` tokens (``ignore_eos`` is a vendor extra both local
-    backends honour), usage reported in the last chunk."""
+    backends honour), usage reported in the last chunk; ``extra`` fields added as they are."""
     return {
         "model": model,
         "messages": [{"role": "user", "content": prompt(i)}],
@@ -34,6 +34,7 @@ def request_body(model: str, i: int, max_tokens: int) -> dict:
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
 
 
@@ -74,7 +75,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> Request
 
 
 async def _run_level(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int,
-                     label: str) -> dict:
+                     label: str, extra: dict | None = None) -> dict:
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     timings: list[RequestTiming] = []
     next_index = 0
@@ -86,7 +87,7 @@ async def _run_level(url: str, model: str, concurrency: int, n_requests: int, ma
         while next_index < n_requests:
             i = next_index
             next_index += 1
-            timings.append(await stream_one(client, url, request_body(model, i, max_tokens)))
+            timings.append(await stream_one(client, url, request_body(model, i, max_tokens, extra)))
 
     async def ticker(started: float) -> None:
         while True:
@@ -105,9 +106,10 @@ async def _run_level(url: str, model: str, concurrency: int, n_requests: int, ma
     return summarize(timings, wall, concurrency, max_tokens)
 
 
-def run_level(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, label: str) -> dict:
+def run_level(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, label: str,
+              extra: dict | None = None) -> dict:
     """One concurrency level against a running router; the summary of :func:`workload.summarize`."""
-    return asyncio.run(_run_level(url, model, concurrency, n_requests, max_tokens, label))
+    return asyncio.run(_run_level(url, model, concurrency, n_requests, max_tokens, label, extra))
 
 
 def warm_up(url: str, model: str, max_tokens: int = 8) -> None:

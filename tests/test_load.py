@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from loadgen import rss_kb, run_clients
+from loadgen import RssSamples, run_clients
 from server import RouterProcess, llamacpp_config, torch_config
 
 pytestmark = pytest.mark.load
@@ -23,15 +23,10 @@ def test_two_thousand_mixed_requests(tmp_path):
     config = llamacpp_config("llama") + torch_config("torch", extra="max_num_seqs = 64")
     router = RouterProcess(config, tmp_path)
     try:
-        start = time.monotonic()
-        samples: list[tuple[float, int]] = []
-
-        def tick() -> None:
-            samples.append((time.monotonic() - start, rss_kb(router.proc.pid)))
-
+        rss = RssSamples(router.proc.pid)
         out = asyncio.run(run_clients(router.url, ["llama", "torch"], 64, total=2000, disconnect_p=0.1,
-                                      stream_p=0.5, seed=7, on_tick=tick))
-        elapsed = time.monotonic() - start
+                                      stream_p=0.5, seed=7, on_tick=rss.tick))
+        elapsed = time.monotonic() - rss.start
         time.sleep(2)
         health = router.health()[1]["models"]
         metrics = httpx.get(f"{router.url}/metrics").text
@@ -42,10 +37,9 @@ def test_two_thousand_mixed_requests(tmp_path):
     assert out.sent == 2000 and out.counts["ok"] + out.counts["disconnected"] == 2000, out.counts
     for stats in health.values():
         assert stats["running"] == 0 and stats.get("kv_blocks_used", 0) == 0, stats
-    after_first_minute = [rss for t, rss in samples if t >= 60]
-    growth = (after_first_minute[-1] - after_first_minute[0]) / after_first_minute[0]
+    first, last, growth = rss.growth_after(60)
     assert growth < 0.05, f"RSS grew {growth:.1%} between the second and the last minute"
     total = sum(float(v) for v in re.findall(r"^router:requests_total{[^}]*} (\S+)$", metrics, re.M))
     assert total == 2000 - out.unsent, (total, out.unsent)  # every request the router saw, once
-    print(f"\nload: {dict(out.counts)} ({out.unsent} given up before sending) in {elapsed:.0f}s, rss {after_first_minute[0]}->{after_first_minute[-1]} kB "
+    print(f"\nload: {dict(out.counts)} ({out.unsent} given up before sending) in {elapsed:.0f}s, rss {first}->{last} kB "
           f"({growth:+.2%})")

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from loadgen import rss_kb, run_clients
+from loadgen import RssSamples, run_clients
 from server import RouterProcess, llamacpp_config, torch_config
 
 pytestmark = pytest.mark.soak
@@ -29,14 +29,9 @@ def test_soak_64_streams(tmp_path):
               torch_config("torch", extra="max_num_seqs = 64\nmax_queue = 48"))
     router = RouterProcess(config, tmp_path)
     try:
-        start = time.monotonic()
-        samples: list[tuple[float, int]] = []
-
-        def tick() -> None:
-            samples.append((time.monotonic() - start, rss_kb(router.proc.pid)))
-
-        out = asyncio.run(run_clients(router.url, ["llama", "torch"], 64, until=start + seconds,
-                                      disconnect_p=0.2, on_tick=tick))
+        rss = RssSamples(router.proc.pid)
+        out = asyncio.run(run_clients(router.url, ["llama", "torch"], 64, until=rss.start + seconds,
+                                      disconnect_p=0.2, on_tick=rss.tick))
         time.sleep(2)  # disconnected requests finish closing
         metrics = httpx.get(f"{router.url}/metrics").text
         health = router.health()[1]["models"]
@@ -46,9 +41,8 @@ def test_soak_64_streams(tmp_path):
     assert not errors, (out.counts, out.malformed[:3])
     assert out.counts["ok"] > 100
     assert metric_sum(metrics, "router:requests_total") == out.sent
-    warm = [rss for t, rss in samples if t >= seconds / 4]
-    growth = (warm[-1] - warm[0]) / warm[0]
-    assert growth < 0.05, f"RSS grew {growth:.1%}: {warm[0]} -> {warm[-1]} kB"
+    first, last, growth = rss.growth_after(seconds / 4)
+    assert growth < 0.05, f"RSS grew {growth:.1%}: {first} -> {last} kB"
     for stats in health.values():
         assert stats["running"] == 0 and stats.get("kv_blocks_used", 0) == 0
-    print(f"\nsoak: {dict(out.counts)} sent={out.sent} rss {warm[0]}->{warm[-1]} kB ({growth:+.2%})")
+    print(f"\nsoak: {dict(out.counts)} sent={out.sent} rss {first}->{last} kB ({growth:+.2%})")

@@ -107,8 +107,12 @@ def test_regex_choice_and_grammar(base_url, model):
     gbnf = 'root ::= "colour: " ("red" | "blue")'
     r = post(base_url, {"model": model, "messages": msg, "structured_outputs": {"grammar": gbnf}, "max_tokens": 20})
     assert r.json()["choices"][0]["message"]["content"] in ("colour: red", "colour: blue")
-    r = post(base_url, {"model": model, "messages": msg, "response_format": {"type": "json_object"}, "max_tokens": 100})
-    assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+    # Greedy: json_object admits any object, and a sampled 135M model can stay inside one string past
+    # max_tokens (CI once drew such a run); the grammar must still end the object and stop.
+    r = post(base_url, {"model": model, "messages": msg, "response_format": {"type": "json_object"}, "max_tokens": 100,
+                        "temperature": 0})
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "stop" and isinstance(json.loads(c["message"]["content"]), dict), c
     r = httpx.post(f"{base_url}/v1/completions", json={"model": model, "prompt": "Answer:", "max_tokens": 10,
                                                       "structured_outputs": {"choice": ["alpha", "beta"]}}, timeout=60)
     assert r.json()["choices"][0]["text"] in ("alpha", "beta")

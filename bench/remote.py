@@ -165,7 +165,8 @@ def serve_floor(port: int) -> None:
 
 def serve_client_relay(port: int, upstream_port: int, client: str) -> None:
     """A minimal Litestar relay (decode, rewrite `model`, POST upstream, rewrite, answer) with
-    either HTTP client: what the remote backend's choice of aiohttp over httpx rests on."""
+    one HTTP client: the remote backend's own (``backends.remote.http``), httpx or aiohttp.
+    What the choice of client rests on."""
     import logging
 
     import msgspec
@@ -183,10 +184,14 @@ def serve_client_relay(port: int, upstream_port: int, client: str) -> None:
 
             logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
             state["c"] = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
-        else:
+        elif client == "aiohttp":
             import aiohttp
 
             state["c"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), skip_auto_headers=("Accept-Encoding",))
+        else:
+            from backends.remote.http import Pool
+
+            state["c"] = Pool(url.removesuffix("/chat/completions"))
 
     @post("/v1/chat/completions", signature_namespace={"Request": Request, "Response": Response})
     async def chat(request: Request) -> Response:
@@ -195,9 +200,13 @@ def serve_client_relay(port: int, upstream_port: int, client: str) -> None:
         if client == "httpx":
             r = await state["c"].post(url, content=encode(body), headers=headers)
             out = decode(r.content)
-        else:
+        elif client == "aiohttp":
             async with state["c"].post(url, data=encode(body), headers=headers) as r:
                 out = decode(await r.read())
+        else:
+            r = await state["c"].request("POST", "/v1/chat/completions", body=encode(body), headers=headers)
+            out = decode(await r.read())
+            r.release()
         out["model"] = "relay"
         return Response(content=encode(out), media_type="application/json")
 
@@ -210,7 +219,8 @@ def compare_clients(args: argparse.Namespace) -> None:
         sys.exit("wrk is not installed: apt-get install -y wrk")
     tmp = Path(tempfile.mkdtemp(prefix="bench-clients-"))
     up_port = free_port()
-    ports = {"httpx": free_port(), "aiohttp": free_port()}
+    clients = ["own", "httpx"] + (["aiohttp"] if _importable("aiohttp") else [])
+    ports = {client: free_port() for client in clients}
     procs = [subprocess.Popen([sys.executable, __file__, "upstream", "--port", str(up_port)])]
     try:
         for client, port in ports.items():
@@ -391,7 +401,7 @@ def machine() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     mods = []
-    for name in ("uvicorn", "aiohttp", "litestar", "msgspec"):
+    for name in ("uvicorn", "litestar", "msgspec"):
         try:
             mods.append(f"{name} {version(name)}")
         except PackageNotFoundError:
@@ -563,11 +573,12 @@ def main() -> None:
     up.add_argument("--port", type=int, required=True)
     fl = sub.add_parser("floor", help="(internal) serve the router app with a canned in-process backend")
     fl.add_argument("--port", type=int, required=True)
-    sub.add_parser("clients", help="httpx versus aiohttp in a minimal relay (non-streaming, c=1 and 32)")
+    sub.add_parser("clients", help="the remote backend's own HTTP client, httpx and aiohttp (if installed) "
+                                   "in a minimal relay (non-streaming, c=1 and 32)")
     cr = sub.add_parser("client-relay", help="(internal) serve a minimal relay with one client")
     cr.add_argument("--port", type=int, required=True)
     cr.add_argument("--upstream", type=int, required=True)
-    cr.add_argument("--client", choices=["httpx", "aiohttp"], required=True)
+    cr.add_argument("--client", choices=["own", "httpx", "aiohttp"], required=True)
     parser.add_argument("--duration", type=float, default=10, help="seconds per wrk cell (default 10)")
     parser.add_argument("--no-docs", action="store_true", help="only print; leave docs/benchmarks.md alone")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md")

@@ -53,6 +53,14 @@ class AdmissionQueue:
     def waiting(self) -> int:
         return sum(1 for *_, f in self._heap if not f.done())
 
+    def try_acquire(self) -> Ticket | None:
+        """A slot now if one is free and nobody waits for it, without a trip through the event
+        loop; ``None`` otherwise (then :meth:`acquire`)."""
+        if self.max_concurrency is None or (self.running < self.max_concurrency and not self._heap):
+            self.running += 1
+            return Ticket(self)
+        return None
+
     async def acquire(self, priority: int = 0) -> Ticket:
         if self.max_concurrency is None:
             self.running += 1

@@ -19,7 +19,7 @@ from .config import RouterConfig
 from .errors import APIError, ErrorBody, ErrorEnvelope, ServerError
 from .plugins import Plugins, load_plugins
 from .responses import json_response
-from .routes import ROUTES, state_of
+from .routes import ROUTES, request_state, state_of
 from .state import RouterState
 from .telemetry import new_request_id, request_id
 
@@ -29,16 +29,18 @@ _encoder = msgspec.json.Encoder()
 
 async def _before_request(request: Request) -> None:
     """Request id (``X-Request-Id`` honoured) into every log line; API key check."""
-    rid = new_request_id(request.headers.get("x-request-id"))
-    request.state.request_id = rid
+    headers = request.headers
+    rid = new_request_id(headers.get("x-request-id"))
+    own = request_state(request)
+    own["request_id"] = rid
     request_id.set(rid)
     keyring = state_of(request).keyring
     if keyring.enabled and request.url.path not in OPEN_PATHS:
-        request.state.allowed_models = keyring.models_for(request.headers.get("authorization"))
+        own["allowed_models"] = keyring.models_for(headers.get("authorization"))
 
 
 def _headers(request: Request, extra: dict[str, str] | None = None) -> dict[str, str]:
-    rid = getattr(request.state, "request_id", None)
+    rid = request_state(request).get("request_id")
     return {**(extra or {}), **({"x-request-id": rid} if rid else {})}
 
 

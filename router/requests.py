@@ -157,8 +157,9 @@ def json_depth(value: Any, limit: int) -> int:
     return deepest + 1
 
 
-def check_limits(request: Any, params: GenerationParams, limits: Limits) -> None:
-    """The operator's bounds (``[server.limits]``): each breach is a 400 naming the field."""
+def check_limits(request: Any, params: GenerationParams, limits: Limits, body: bytes | None = None) -> None:
+    """The operator's bounds (``[server.limits]``): each breach is a 400 naming the field.
+    ``body``, the request's bytes, lets the nesting check skip requests too small to breach it."""
 
     def over(param: str, what: str, value: int, limit: int) -> None:
         if value > limit:
@@ -176,9 +177,11 @@ def check_limits(request: Any, params: GenerationParams, limits: Limits) -> None
     prompt = getattr(request, "prompt", None)
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         over("prompt", "The number of prompts", len(prompt), limits.max_prompts)
-    depth = json_depth(request, limits.max_json_depth + 4)
     # The request's own structure takes a few levels (body, messages, content part...).
-    if depth > limits.max_json_depth + 4:
+    limit = limits.max_json_depth + 4
+    if body is not None and body.count(b"{") + body.count(b"[") <= limit:
+        return  # cannot nest deeper than it has brackets
+    if json_depth(request, limit) > limit:
         raise BadRequest(f"The request nests JSON deeper than {limits.max_json_depth} levels.")
 
 

@@ -56,26 +56,33 @@ class ClientGone(APIError):
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client disconnects first; then cancel it (which frees its
-    engine work or its place in a queue) and raise :class:`ClientGone`."""
-    task = asyncio.ensure_future(work)
+    engine work or its place in a queue) and raise :class:`ClientGone`.
+
+    ``work`` runs in the calling task and a small watcher task cancels that task if the client
+    leaves: one task per request rather than two and an ``asyncio.wait``, which cost about a
+    tenth of a relayed request's time in the router."""
     receive = request.receive
+    caller = asyncio.current_task()
+    assert caller is not None
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while (await receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        caller.cancel()
 
-    watcher = asyncio.ensure_future(watch())
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone()
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from elsewhere (shutdown): not ours to swallow
+        caller.uncancel()
+        raise ClientGone() from None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
 
 
 class Relay:

@@ -23,12 +23,18 @@ def state_of(request: Request) -> RouterState:
     return request.app.state.router
 
 
+def request_state(request: Request) -> dict[str, Any]:
+    """This request's own state (what ``request.state`` wraps) as the plain dict: Litestar builds
+    a new ``State``, lock included, on every ``request.state``, a cost on the hot path."""
+    return request.scope.setdefault("state", {})  # type: ignore[typeddict-item]
+
+
 def _allowed(request: Request) -> frozenset[str] | None:
-    return getattr(request.state, "allowed_models", None)
+    return request_state(request).get("allowed_models")
 
 
 def _rid_header(request: Request) -> dict[str, str]:
-    return {"x-request-id": request.state.request_id}
+    return {"x-request-id": request_state(request)["request_id"]}
 
 
 # --- generation -----------------------------------------------------------------------------
@@ -37,7 +43,8 @@ def _rid_header(request: Request) -> dict[str, str]:
 async def _generate(request: Request, endpoint: str) -> Response[Any]:
     state = state_of(request)
     server = state.config.server
-    record = RequestRecord(state.metrics, request.state.request_id, endpoint, log_content=server.log_content)
+    record = RequestRecord(state.metrics, request_state(request)["request_id"], endpoint,
+                           log_content=server.log_content)
     body = b""
     try:
         body = await request.body()
@@ -48,7 +55,7 @@ async def _generate(request: Request, endpoint: str) -> Response[Any]:
             req = state.types.decode_completions(body)
             params = completion_params(req)
         record.model, record.stream = req.model, params.stream
-        check_limits(req, params, server.limits)
+        check_limits(req, params, server.limits, body)
         backend = state.model(req.model, _allowed(request))
         record.backend = backend.config.backend
         backend.check_ready()
@@ -57,7 +64,8 @@ async def _generate(request: Request, endpoint: str) -> Response[Any]:
         params.check_capabilities(backend.name, backend.config.backend, backend.capabilities)
         _cap_max_tokens(params, backend)
         params.record = record
-        ticket = await unless_disconnected(request, state.queues[backend.name].acquire(params.priority))
+        queue = state.queues[backend.name]
+        ticket = queue.try_acquire() or await unless_disconnected(request, queue.acquire(params.priority))
     except APIError as exc:
         record.close(exc.status, _prompt_text(record, body))
         raise

@@ -99,6 +99,8 @@ class RequestRecord:
             m.e2e.observe(labels, duration)
             if self.first_event is not None:
                 m.ttft.observe(labels, self.first_event - self.start)
+        if not log.isEnabledFor(logging.INFO):
+            return
         ttft = f"{(self.first_event - self.start) * 1000:.1f}" if self.first_event else "-"
         line = (
             f"endpoint={self.endpoint} model={self.model} backend={self.backend} status={status} "

@@ -20,7 +20,7 @@ router.toml::
     url = "http://trt-b:8000/v1"
     weight = 2
 
-aiohttp is imported only when a model of this backend starts.
+The HTTP client (:mod:`.http`) is imported only when a model of this backend starts.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class RemoteBackend(Backend):
         self._error = value
 
     async def start(self) -> None:
-        from . import client
+        from .http import Pool
         from .balancer import Balancer
         from .deployment import build_deployments
         from .health import HealthChecker
@@ -104,7 +104,7 @@ class RemoteBackend(Backend):
         cfg = self.config
         deployments = build_deployments(cfg)
         for d in deployments:
-            d.session = client.open_session(d)
+            d.pool = Pool(d.url, limit=d.max_connections)
         self._balancer = Balancer(
             deployments, failure_threshold=cfg.failure_threshold, cooldown=cfg.cooldown
         )
@@ -128,8 +128,8 @@ class RemoteBackend(Backend):
                 await self._checker_task
         if self._balancer is not None:
             for d in self._balancer.deployments:
-                if d.session is not None:
-                    await d.session.close()
+                if d.pool is not None:
+                    await d.pool.close()
         self._lifecycle = "stopped"
 
     def status(self) -> dict[str, Any]:

@@ -61,8 +61,8 @@ class Deployment:
     ejections: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    session: Any = None
-    """The ``aiohttp.ClientSession`` of this deployment (its own connection pool)."""
+    pool: Any = None
+    """The :class:`~backends.remote.http.Pool` of this deployment's connections."""
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.cooling_until

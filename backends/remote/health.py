@@ -17,9 +17,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
-import aiohttp
-
-from .client import describe
+from .http import HTTPError, describe, target
 from .deployment import Deployment
 
 log = logging.getLogger("router.remote")
@@ -33,7 +31,7 @@ class HealthChecker:
         self.model = model
         self.deployments = list(deployments)
         self.interval = interval
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.timeout = timeout
         self.clock = clock
         self._last_round = 0.0
 
@@ -58,11 +56,15 @@ class HealthChecker:
         urls = d.health_urls
         for i, url in enumerate(urls):
             try:
-                async with d.session.get(url, headers=_auth(d), timeout=self.timeout,
-                                         allow_redirects=False) as resp:
-                    status = resp.status
-                    await resp.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
+                async with asyncio.timeout(self.timeout):
+                    resp = await d.pool.request("GET", target(url), headers=_auth(d),
+                                                connect_timeout=self.timeout)
+                    try:
+                        await resp.read()
+                    finally:
+                        resp.release()
+                status = resp.status
+            except (TimeoutError, HTTPError) as exc:
                 error = describe(exc)
                 break
             if status in (404, 405) and i + 1 < len(urls):

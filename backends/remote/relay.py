@@ -14,14 +14,13 @@ import asyncio
 import logging
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from router.backend import Reply
 from router.errors import APIError, BadRequest, Unavailable
 from router.params import GenerationParams
 
-from . import client
+from .http import ConnectTimeout, HTTPError, Response
 from .balancer import Balancer
 from .config import RemoteConfig
 from .deployment import Deployment
@@ -57,10 +56,6 @@ class Relay:
         self.config = config
         self.balancer = balancer
         self.forwardable = forwardable
-        self._timeouts = {
-            d.index: (client.stream_timeout(d), client.request_timeout(d))
-            for d in balancer.deployments
-        }
 
     # --- bookkeeping, shared with the streams ----------------------------------------------
 
@@ -144,12 +139,12 @@ class Relay:
             return APIError(message, status=504, type="server_error", code="upstream_timeout")
         return APIError(message, status=502, type="server_error", code="upstream_error")
 
-    def _check_status(self, d: Deployment, status: int, content: bytes, headers: Any) -> None:
+    def _check_status(self, d: Deployment, status: int, content: bytes, headers: dict[str, str]) -> None:
         """Raise for a non-200 upstream answer: a failure to fail over on, or the client's 4xx."""
         if status >= 500 or status in RETRYABLE_4XX:
             body = error_body(status, content)
             raise self._failure(d, f"HTTP {status}: {body.message}",
-                                429 if status == 429 else 502, headers.get("Retry-After"))
+                                429 if status == 429 else 502, headers.get("retry-after"))
         if 400 <= status < 500:
             self.succeeded(d)
             raise client_error(status, error_body(status, content))
@@ -159,17 +154,17 @@ class Relay:
         resp = None
         try:
             try:
-                resp = await d.session.post(
-                    d.url + path, data=body, headers=d.headers,
-                    timeout=self._timeouts[d.index][1], allow_redirects=False,
-                )
-                content = await resp.read()
-            except aiohttp.ConnectionTimeoutError:
-                raise self._failure(d, f"cannot connect within {d.connect_timeout:g}s", 504) from None
+                async with asyncio.timeout(d.request_timeout):
+                    resp = await d.pool.request("POST", d.pool.base_path + path, body=body, headers=d.headers,
+                                                connect_timeout=d.connect_timeout)
+                    content = await resp.read()
+                resp.release()
+            except ConnectTimeout as exc:
+                raise self._failure(d, str(exc), 504) from None
             except TimeoutError:
                 raise self._failure(d, f"no response within {d.request_timeout:g}s", 504) from None
-            except aiohttp.ClientError as exc:
-                raise self._failure(d, client.describe(exc)) from None
+            except HTTPError as exc:
+                raise self._failure(d, str(exc)) from None
             if resp.status != 200:
                 self._check_status(d, resp.status, content, resp.headers)
             try:
@@ -212,28 +207,26 @@ class Relay:
         try:
             try:
                 async with asyncio.timeout(d.first_byte_timeout):
-                    resp = await d.session.post(
-                        d.url + path, data=body, headers=d.headers,
-                        timeout=self._timeouts[d.index][0], allow_redirects=False,
-                    )
+                    resp = await d.pool.request("POST", d.pool.base_path + path, body=body, headers=d.headers,
+                                                connect_timeout=d.connect_timeout)
                     if resp.status != 200:
                         self._check_status(d, resp.status, await resp.read(), resp.headers)
                     if not resp.content_type.startswith("text/event-stream"):
                         await self._not_a_stream(d, resp)
                     events: list[bytes] = []
                     while not events:
-                        chunk = await resp.content.readany()
+                        chunk = await resp.readany()
                         if not chunk:
                             raise self._failure(d, "ended the stream before its first event")
                         events = splitter.feed(chunk)
-            except aiohttp.ConnectionTimeoutError:
-                raise self._failure(d, f"cannot connect within {d.connect_timeout:g}s", 504) from None
+            except ConnectTimeout as exc:
+                raise self._failure(d, str(exc), 504) from None
             except TimeoutError:
                 raise self._failure(
                     d, f"no first event within {d.first_byte_timeout:g}s", 504
                 ) from None
-            except aiohttp.ClientError as exc:
-                raise self._failure(d, client.describe(exc)) from None
+            except HTTPError as exc:
+                raise self._failure(d, str(exc)) from None
             first = events[0]
             if first == b"[DONE]":
                 raise self._failure(d, "sent `[DONE]` before any event")
@@ -255,7 +248,7 @@ class Relay:
             params.record,
         )
 
-    async def _not_a_stream(self, d: Deployment, resp: aiohttp.ClientResponse) -> None:
+    async def _not_a_stream(self, d: Deployment, resp: Response) -> None:
         """A 200 that is not an event stream: an error in disguise, or a broken upstream."""
         content = await resp.read()
         try:

@@ -20,13 +20,12 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 
 from router import sse
 from router.errors import ErrorBody, ErrorEnvelope
 
-from .client import describe
+from .http import HTTPError, Response, describe
 from .errors import blames_request, body_from_json, status_of
 from .events import EventSplitter
 
@@ -88,7 +87,7 @@ class RelayStream:
     )
 
     def __init__(
-        self, relay: Relay, d: Deployment, resp: aiohttp.ClientResponse, splitter: EventSplitter,
+        self, relay: Relay, d: Deployment, resp: Response, splitter: EventSplitter,
         events: list[bytes], model: str, include_usage: bool, continuous_usage: bool,
         record: Any = None,
     ) -> None:
@@ -126,10 +125,10 @@ class RelayStream:
     async def _read(self) -> None:
         try:
             async with asyncio.timeout(self._d.read_timeout):
-                chunk = await self._resp.content.readany()
+                chunk = await self._resp.readany()
         except TimeoutError:
             self._break(f"sent nothing for {self._d.read_timeout:g}s")
-        except aiohttp.ClientError as exc:
+        except HTTPError as exc:
             self._break(describe(exc))
         else:
             if chunk:
@@ -205,14 +204,14 @@ class RelayStream:
         self._closed = True
         resp = self._resp
         try:
-            if self._clean and not resp.content.at_eof():
+            if self._clean and not resp.at_eof():
                 try:
                     async with asyncio.timeout(DRAIN_S):
-                        while await resp.content.readany():
+                        while await resp.readany():
                             pass
-                except (TimeoutError, aiohttp.ClientError):
+                except (TimeoutError, HTTPError):
                     pass
-            if self._clean and resp.content.at_eof():
+            if self._clean and resp.at_eof():
                 resp.release()
             else:
                 resp.close()

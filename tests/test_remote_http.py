@@ -1,0 +1,338 @@
+"""The remote backend's HTTP/1.1 client against scripted servers on loopback: framing (length,
+chunked, close-delimited) however the bytes are split, keep-alive reuse, stale connections,
+malformed answers, back-pressure and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+import pytest
+
+from backends.remote.http import ConnectError, ConnectTimeout, Disconnected, Pool, target
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, str], bytes]:
+    """One request: its request line, headers (lower-case names) and body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    body = await reader.readexactly(int(headers.get("content-length", 0)))
+    return lines[0].encode(), headers, body
+
+
+class Server:
+    """A loopback TCP server running ``handler`` for each connection; counts connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> "Server":
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/v1"
+
+
+def keep_answering(response: bytes, *, split: int = 0, delay: float = 0.0) -> Handler:
+    """Answer every request on the connection with ``response``, written ``split`` bytes at a
+    time (0: at once) with ``delay`` seconds between pieces."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            step = split or len(response)
+            for i in range(0, len(response), step):
+                writer.write(response[i:i + step])
+                await writer.drain()
+                if delay:
+                    await asyncio.sleep(delay)
+    return handler
+
+
+def run(coro: Awaitable[object]) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"a\": \"b\"}\n"
+CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"f\r\ndata: {\"x\":1}\n\n\r\n"
+           b"6;ext=1\r\ndata: \r\n"
+           b"8\r\n[DONE]\n\n\r\n"
+           b"0\r\nX-Trailer: t\r\n\r\n")
+
+
+@pytest.mark.parametrize("split", [0, 1, 2, 3, 7, 16])
+@pytest.mark.parametrize("response, body", [
+    (LENGTH, b'{"a": "b"}\n'),
+    (CHUNKED, b'data: {"x":1}\n\ndata: [DONE]\n\n'),
+])
+def test_bodies_whatever_the_split(response: bytes, body: bytes, split: int) -> None:
+    async def main() -> None:
+        async with Server(keep_answering(response, split=split)) as server:
+            pool = Pool(server.url)
+            for _ in range(3):  # the same connection each time
+                r = await pool.request("POST", pool.base_path + "/chat/completions", body=b"{}")
+                assert r.status == 200
+                assert await r.read() == body
+                r.release()
+            assert server.connections == 1 and pool.connections == 1
+            await pool.close()
+    run(main())
+
+
+def test_request_bytes_host_and_headers() -> None:
+    seen: list[tuple[bytes, dict[str, str], bytes]] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await read_request(reader))
+        writer.write(LENGTH)
+        await writer.drain()
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            pool = Pool(server.url)
+            r = await pool.request("POST", "/v1/chat/completions", body=b'{"k": 1}',
+                                   headers={"content-type": "application/json", "authorization": "Bearer k"})
+            await r.read()
+            r.release()
+            port = server.url.split(":")[2].split("/")[0]
+            line, headers, body = seen[0]
+            assert line == b"POST /v1/chat/completions HTTP/1.1"
+            assert headers["host"] == f"127.0.0.1:{port}" and headers["authorization"] == "Bearer k"
+            assert headers["content-length"] == "8" and body == b'{"k": 1}'
+            await pool.close()
+    run(main())
+
+
+def test_interim_1xx_is_skipped_and_headers_are_lower_case() -> None:
+    response = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 429 Too Many\r\nRetry-After: 7\r\nContent-Length: 2\r\n\r\nno"
+
+    async def main() -> None:
+        async with Server(keep_answering(response, split=5)) as server:
+            pool = Pool(server.url)
+            r = await pool.request("POST", "/x", body=b"{}")
+            assert r.status == 429 and r.headers["retry-after"] == "7"
+            assert await r.read() == b"no"
+            r.release()
+            await pool.close()
+    run(main())
+
+
+def test_close_delimited_body_and_connection_close_are_not_reused() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the ")
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(b"end")
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            pool = Pool(server.url)
+            for _ in range(2):
+                r = await pool.request("GET", "/health")
+                assert await r.read() == b"until the end"
+                r.release()
+            assert server.connections == 2 and pool.connections == 0
+            await pool.close()
+    run(main())
+
+
+def test_stream_pieces_arrive_as_they_are_sent() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(3):
+            event = f"data: {i}\n\n".encode()
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            pool = Pool(server.url)
+            r = await pool.request("POST", "/s", body=b"{}")
+            pieces = []
+            while piece := await r.readany():
+                pieces.append(piece)
+            assert pieces == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+            assert r.at_eof()
+            r.release()
+            assert pool.connections == 1
+            await pool.close()
+    run(main())
+
+
+def test_stale_keep_alive_connection_is_replaced() -> None:
+    """The server closes each connection after one answer without saying so: the next request
+    on the pooled connection gets no byte back and is sent once more on a new one."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(LENGTH)
+        await writer.drain()
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            pool = Pool(server.url)
+            for _ in range(3):
+                r = await pool.request("POST", "/x", body=b"{}")
+                assert await r.read() == b'{"a": "b"}\n'
+                r.release()
+            assert server.connections == 3
+            await pool.close()
+    run(main())
+
+
+@pytest.mark.parametrize("response, why", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "broke off the response"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n", "broke off the response"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n", "malformed chunk"),
+    (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "not an HTTP response"),
+    (b"HTTP/1.1 200 OK\r\nbroken header line\r\n\r\n", "malformed response header"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n", "malformed Content-Length"),
+    (b"", "closed the connection"),
+])
+def test_broken_answers_raise_disconnected(response: bytes, why: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(response)
+        await writer.drain()
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            pool = Pool(server.url)
+            with pytest.raises(Disconnected, match=why):
+                r = await pool.request("POST", "/x", body=b"{}")
+                try:
+                    await r.read()
+                finally:
+                    r.close()
+            assert pool.connections == 0
+            await pool.close()
+    run(main())
+
+
+def test_connect_errors() -> None:
+    async def main() -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with pytest.raises(ConnectError, match="cannot connect: connection refused"):
+            await Pool(f"http://127.0.0.1:{port}").request("GET", "/")
+        # A listener whose backlog is full never completes the handshake: the connect times out.
+        with socket.socket() as full:
+            full.bind(("127.0.0.1", 0))
+            full.listen(0)
+            fillers = []
+            for _ in range(3):
+                f = socket.socket()
+                f.setblocking(False)
+                f.connect_ex(full.getsockname())
+                fillers.append(f)
+            pool = Pool(f"http://127.0.0.1:{full.getsockname()[1]}")
+            try:
+                with pytest.raises(ConnectTimeout, match="within 0.2s"):
+                    for _ in range(8):  # the kernel may accept a few more than the backlog
+                        r = await pool.request("GET", "/", connect_timeout=0.2)
+                        r.close()
+            finally:
+                for f in fillers:
+                    f.close()
+    run(main())
+
+
+def test_back_pressure_pauses_reading_and_all_bytes_arrive() -> None:
+    big = bytes(range(256)) * 8192  # 2 MiB, far over the high-water mark
+
+    async def main() -> None:
+        response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big
+        async with Server(keep_answering(response)) as server:
+            pool = Pool(server.url)
+            r = await pool.request("GET", "/big")
+            await asyncio.sleep(0.2)  # let the connection fill up to the mark and pause
+            assert r._conn._paused  # type: ignore[attr-defined]
+            got = await r.read()
+            assert got == big
+            r.release()
+            await pool.close()
+    run(main())
+
+
+def test_cancelled_request_drops_its_connection_and_slot() -> None:
+    """A caller cancelled while waiting (client gone) closes the connection at once, so the
+    server sees it leave; the connection limit's slot is given back."""
+    async def main() -> None:
+        gone = asyncio.Event()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            if not await reader.read(1):
+                gone.set()
+
+        async with Server(handler) as server:
+            pool = Pool(server.url, limit=1)
+            task = asyncio.ensure_future(pool.request("POST", "/slow", body=b"{}"))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(gone.wait(), 2)
+            assert pool.connections == 0
+            assert pool._slots is not None and not pool._slots.locked()  # type: ignore[attr-defined]
+            await pool.close()
+    run(main())
+
+
+def test_limit_queues_requests_beyond_it() -> None:
+    async def main() -> None:
+        async with Server(keep_answering(LENGTH, delay=0.01)) as server:
+            pool = Pool(server.url, limit=2)
+
+            async def one() -> bytes:
+                r = await pool.request("POST", "/x", body=b"{}")
+                try:
+                    return await r.read()
+                finally:
+                    r.release()
+
+            assert set(await asyncio.gather(*(one() for _ in range(10)))) == {b'{"a": "b"}\n'}
+            assert server.connections <= 2
+            await pool.close()
+    run(main())
+
+
+def test_base_path_authority_and_target() -> None:
+    pool = Pool("https://api.example.com/v1/")
+    assert (pool.host, pool.port, pool.authority, pool.base_path) == ("api.example.com", 443, "api.example.com", "/v1")
+    assert Pool("http://[::1]:8080").authority == "[::1]:8080"
+    assert target("http://h:1/health") == "/health" and target("http://h:1") == "/"
+    assert target("http://h:1/v1/models?x=1") == "/v1/models?x=1"
+    with pytest.raises(ValueError, match="scheme"):
+        Pool("ftp://h/")

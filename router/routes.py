@@ -6,13 +6,14 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.response.base import ASGIResponse
 
 from . import __version__
 from .backend import Backend
 from .errors import APIError, BadRequest, ErrorBody
 from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from .requests import chat_params, check_limits, completion_params, decode_body
-from .responses import EventStream, Relay, json_response, unless_disconnected
+from .responses import Relay, event_stream, json_reply, json_response, unless_disconnected
 from .state import RouterState
 from .telemetry import RequestRecord
 
@@ -26,7 +27,13 @@ def state_of(request: Request) -> RouterState:
 def request_state(request: Request) -> dict[str, Any]:
     """This request's own state (what ``request.state`` wraps) as the plain dict: Litestar builds
     a new ``State``, lock included, on every ``request.state``, a cost on the hot path."""
-    return request.scope.setdefault("state", {})  # type: ignore[typeddict-item]
+    scope = request.scope
+    try:
+        return scope["state"]  # type: ignore[typeddict-item]
+    except KeyError:  # no lifespan state from the server
+        state: dict[str, Any] = {}
+        scope["state"] = state  # type: ignore[typeddict-unknown-key]
+        return state
 
 
 def _allowed(request: Request) -> frozenset[str] | None:
@@ -40,7 +47,7 @@ def _rid_header(request: Request) -> dict[str, str]:
 # --- generation -----------------------------------------------------------------------------
 
 
-async def _generate(request: Request, endpoint: str) -> Response[Any]:
+async def _generate(request: Request, endpoint: str) -> ASGIResponse:
     state = state_of(request)
     server = state.config.server
     record = RequestRecord(state.metrics, request_state(request)["request_id"], endpoint,
@@ -83,7 +90,7 @@ async def _generate(request: Request, endpoint: str) -> Response[Any]:
                 ticket.release()
                 record.close(200 if completed else 499, _prompt_text(record, body))
 
-            return EventStream(Relay(events, done), headers=_rid_header(request))
+            return event_stream(Relay(events, done), _rid_header(request))
         reply = await unless_disconnected(request, call(req, params))
     except APIError as exc:
         ticket.release()
@@ -95,7 +102,7 @@ async def _generate(request: Request, endpoint: str) -> Response[Any]:
         raise
     ticket.release()
     record.close(200, _prompt_text(record, body))
-    return json_response(reply, headers=_rid_header(request))
+    return json_reply(reply, _rid_header(request))
 
 
 def _prompt_text(record: RequestRecord, body: bytes) -> str | None:
@@ -126,13 +133,13 @@ def _check_response_format(req: Any, params: Any) -> None:
 
 
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request) -> Response[Any]:
+async def chat_completions(request: Request) -> ASGIResponse:
     """OpenAI chat completions, streamed (SSE) or not."""
     return await _generate(request, "chat")
 
 
 @post("/v1/completions", status_code=200)
-async def completions(request: Request) -> Response[Any]:
+async def completions(request: Request) -> ASGIResponse:
     """OpenAI (legacy) text completions, streamed (SSE) or not."""
     return await _generate(request, "completions")
 

@@ -1,0 +1,90 @@
+"""DisconnectWatch / unless_disconnected: the work runs in the caller's task and is cancelled
+only by the client leaving; any other cancellation passes through untouched."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from router.responses import ClientGone, DisconnectWatch, unless_disconnected
+
+
+class Client:
+    """An ASGI ``receive`` that reports ``http.disconnect`` once :meth:`leave` is called."""
+
+    def __init__(self) -> None:
+        self.left = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+    def leave(self) -> None:
+        self.left.set()
+
+
+def test_work_finishes_and_no_watcher_is_left_behind() -> None:
+    async def main() -> None:
+        client = Client()
+        before = len(asyncio.all_tasks())
+        assert await unless_disconnected(SimpleNamespace(receive=client.receive), asyncio.sleep(0.01, "done")) == "done"
+        await asyncio.sleep(0)
+        assert len(asyncio.all_tasks()) == before
+    asyncio.run(main())
+
+
+def test_client_leaving_cancels_the_work_and_raises_client_gone() -> None:
+    async def main() -> None:
+        client = Client()
+        seen = []
+
+        async def work() -> None:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        asyncio.get_running_loop().call_later(0.02, client.leave)
+        with pytest.raises(ClientGone):
+            await unless_disconnected(SimpleNamespace(receive=client.receive), work())
+        assert seen == ["cancelled"]
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0  # the cancellation ended with the block
+        await asyncio.sleep(0)  # and no cancellation is still pending for this task
+    asyncio.run(main())
+
+
+def test_other_cancellation_passes_through() -> None:
+    async def main() -> None:
+        client = Client()
+
+        async def request() -> None:
+            with DisconnectWatch(client.receive):
+                await asyncio.sleep(10)
+
+        task = asyncio.ensure_future(request())
+        await asyncio.sleep(0.01)
+        task.cancel()  # a shutdown, say: not the client
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(main())
+
+
+def test_messages_other_than_disconnect_are_ignored() -> None:
+    async def main() -> None:
+        messages = [{"type": "http.request", "body": b"", "more_body": False}]
+        left = asyncio.Event()
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        with DisconnectWatch(receive) as watch:
+            await asyncio.sleep(0.02)
+        assert not watch.gone
+    asyncio.run(main())

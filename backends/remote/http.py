@@ -2,9 +2,9 @@
 
 The relay sends one kind of request (a JSON POST, or a GET for health) to servers it knows, and
 reads back either a whole body or an event stream piece by piece. A general client pays for what
-the relay never uses: aiohttp cost about 0.33 ms of CPU and 0.47 ms of wall time more than
-this per request on the 2-core development machine (docs/benchmarks.md), more than the rest of
-the relay's own work.
+the relay never uses: in front of a canned upstream on the 2-core development machine, aiohttp
+took about 0.4 ms more per request than this at concurrency 1, more than the rest of the relay's
+own work (docs/benchmarks.md, "The HTTP client").
 
 What it does: ``http`` and ``https``; one request at a time per connection, idle connections
 kept per deployment and reused (a connection that went stale while idle is replaced, and a

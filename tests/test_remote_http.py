@@ -9,7 +9,7 @@ from typing import Awaitable, Callable
 
 import pytest
 
-from backends.remote.http import ConnectError, ConnectTimeout, Disconnected, Pool, target
+from backends.remote.http import HIGH_WATER, ConnectError, ConnectTimeout, Disconnected, Pool, ReadTimeout, target
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -336,3 +336,48 @@ def test_base_path_authority_and_target() -> None:
     assert target("http://h:1/v1/models?x=1") == "/v1/models?x=1"
     with pytest.raises(ValueError, match="scheme"):
         Pool("ftp://h/")
+
+
+def test_idle_limit_fails_a_silent_stream_but_not_a_slow_steady_one() -> None:
+    def handler(gaps: list[float]) -> Handler:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for gap in gaps:
+                await asyncio.sleep(gap)
+                writer.write(b"2\r\nok\r\n")
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+        return serve
+
+    async def read_all(gaps: list[float]) -> bytes:
+        async with Server(handler(gaps)) as server:
+            pool = Pool(server.url)
+            r = await pool.request("POST", "/s", body=b"{}")
+            r.watch_idle(0.15)
+            try:
+                return await r.read()
+            finally:
+                r.close()
+                await pool.close()
+
+    # Eight pieces 0.1 s apart: 0.8 s in all, never 0.15 s of silence.
+    assert asyncio.run(read_all([0.1] * 8)) == b"ok" * 8
+    with pytest.raises(ReadTimeout, match="sent nothing for 0.15s"):
+        asyncio.run(read_all([0.05, 0.4]))
+
+
+def test_idle_limit_does_not_blame_the_server_for_a_slow_reader() -> None:
+    big = b"x" * (HIGH_WATER * 4)
+
+    async def main() -> None:
+        response = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big
+        async with Server(keep_answering(response)) as server:
+            pool = Pool(server.url)
+            r = await pool.request("GET", "/big")
+            r.watch_idle(0.1)
+            await asyncio.sleep(0.35)  # the reader dawdles; the connection is paused meanwhile
+            assert await r.read() == big
+            r.release()
+            await pool.close()
+    asyncio.run(main())

@@ -46,6 +46,10 @@ class Disconnected(HTTPError):
     """The server closed the connection (or broke the protocol) before the response ended."""
 
 
+class ReadTimeout(HTTPError):
+    """The server sent nothing for longer than the response's idle limit (:meth:`Response.watch_idle`)."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; parses responses into a queue of body pieces."""
 
@@ -114,7 +118,7 @@ class Response:
     __slots__ = (
         "status", "headers", "_conn", "_pool", "_head_done", "_head_waiter", "_mode", "_remaining",
         "_pieces", "_buffered", "_waiter", "_complete", "_error", "_got_bytes", "_keep_alive",
-        "_finished",
+        "_finished", "_idle_s", "_last_data", "_idle_timer",
     )
 
     def __init__(self, conn: _Connection, pool: Pool) -> None:
@@ -134,6 +138,9 @@ class Response:
         self._got_bytes = False
         self._keep_alive = True
         self._finished = False
+        self._idle_s = 0.0
+        self._last_data = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     @property
     def content_type(self) -> str:
@@ -174,11 +181,41 @@ class Response:
         self._pieces.clear()
         return pieces
 
+    def watch_idle(self, seconds: float) -> None:
+        """From now on, fail the response with :class:`ReadTimeout` when the server sends nothing
+        for ``seconds`` (while the reader keeps up: a connection paused for back-pressure is not
+        idle). One timer per response that re-arms itself when it finds data arrived meanwhile,
+        rather than a timeout around every read: an event stream reads once per event."""
+        loop = self._conn.loop
+        self._idle_s = seconds
+        self._last_data = loop.time()
+        self._idle_timer = loop.call_at(self._last_data + seconds, self._check_idle)
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self._finished or self._complete or self._error is not None:
+            return
+        loop = self._conn.loop
+        due = self._last_data + self._idle_s
+        if self._conn._paused or self._pieces:  # the reader is behind, not the server
+            due = loop.time() + self._idle_s
+            self._last_data = loop.time()
+        if loop.time() < due:
+            self._idle_timer = loop.call_at(due, self._check_idle)
+            return
+        self._conn._fail(ReadTimeout(f"sent nothing for {self._idle_s:g}s"))
+
+    def _stop_watching(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
     def release(self) -> None:
         """Done with it: the connection goes back to the pool if the body ended cleanly."""
         if self._finished:
             return
         self._finished = True
+        self._stop_watching()
         self._conn.response = None
         if self._complete and self._error is None and self._keep_alive and not self._conn.lost:
             self._pool._put(self._conn)
@@ -190,6 +227,7 @@ class Response:
         if self._finished:
             return
         self._finished = True
+        self._stop_watching()
         self._conn.response = None
         self._pool._discard(self._conn)
 
@@ -225,6 +263,8 @@ class Response:
 
     def _parse(self, buf: bytearray) -> None:
         self._got_bytes = True
+        if self._idle_timer is not None:
+            self._last_data = self._conn.loop.time()
         if self._complete:  # bytes after the end: the connection cannot be trusted again
             self._keep_alive = False
             buf.clear()
@@ -308,42 +348,47 @@ class Response:
         return True
 
     def _chunked(self, buf: bytearray) -> None:
-        """Consume what it can of a chunked body, up to its end."""
-        while buf:
-            if self._remaining == -1:  # the size line
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > 1024:
+        """Consume what it can of a chunked body, up to its end. Walks the buffer by offset and
+        cuts the consumed part once: an upstream's burst of events is one read of many chunks."""
+        pos, n = 0, len(buf)
+        try:
+            while pos < n:
+                remaining = self._remaining
+                if remaining == -1:  # the size line
+                    end = buf.find(b"\r\n", pos)
+                    if end < 0:
+                        if n - pos > 1024:
+                            raise Disconnected("sent a malformed chunk")
+                        return
+                    try:
+                        size = int(bytes(buf[pos:end]).split(b";", 1)[0].strip(), 16)
+                    except ValueError:
+                        raise Disconnected("sent a malformed chunk") from None
+                    pos = end + 2
+                    self._remaining = size if size else -2
+                elif remaining == -2:  # trailers after the last chunk, up to an empty line
+                    end = buf.find(b"\r\n", pos)
+                    if end < 0:
+                        return
+                    empty = end == pos
+                    pos = end + 2
+                    if empty:
+                        self._complete = True
+                        return
+                elif remaining == -3:  # the CRLF after a chunk's data
+                    if n - pos < 2:
+                        return
+                    if buf[pos:pos + 2] != b"\r\n":
                         raise Disconnected("sent a malformed chunk")
-                    return
-                try:
-                    size = int(bytes(buf[:end]).split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise Disconnected("sent a malformed chunk") from None
-                del buf[:end + 2]
-                self._remaining = size if size else -2
-            elif self._remaining == -2:  # trailers after the last chunk, up to an empty line
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    return
-                del buf[:end + 2]
-                if end == 0:
-                    self._complete = True
-                    return
-            elif self._remaining == -3:  # the CRLF after a chunk's data
-                if len(buf) < 2:
-                    return
-                if buf[:2] != b"\r\n":
-                    raise Disconnected("sent a malformed chunk")
-                del buf[:2]
-                self._remaining = -1
-            else:
-                take = bytes(buf[:self._remaining])
-                del buf[:len(take)]
-                self._remaining -= len(take)
-                self._body(take)
-                if self._remaining == 0:
-                    self._remaining = -3
+                    pos += 2
+                    self._remaining = -1
+                else:
+                    take = min(remaining, n - pos)
+                    self._body(bytes(buf[pos:pos + take]))
+                    pos += take
+                    self._remaining = remaining - take if take < remaining else -3
+        finally:
+            del buf[:pos]
 
 
 class Pool:

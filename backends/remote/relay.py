@@ -243,6 +243,7 @@ class Relay:
                 resp.close()
             self.balancer.release(d)
             raise
+        resp.watch_idle(d.read_timeout)
         return RelayStream(
             self, d, resp, splitter, events, self.name, params.include_usage, params.continuous_usage,
             params.record,

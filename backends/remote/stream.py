@@ -124,10 +124,7 @@ class RelayStream:
 
     async def _read(self) -> None:
         try:
-            async with asyncio.timeout(self._d.read_timeout):
-                chunk = await self._resp.readany()
-        except TimeoutError:
-            self._break(f"sent nothing for {self._d.read_timeout:g}s")
+            chunk = await self._resp.readany()  # idle limit: Response.watch_idle (read_timeout)
         except HTTPError as exc:
             self._break(describe(exc))
         else:

@@ -5,12 +5,15 @@ malformed answers, back-pressure and cancellation."""
 from __future__ import annotations
 
 import asyncio
+import ssl
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import pytest
 
 from backends.remote.http import HIGH_WATER, ConnectError, ConnectTimeout, Disconnected, Pool, ReadTimeout, target
 
+TLS = Path(__file__).parent / "data" / "tls"  # a self-signed certificate for 127.0.0.1, test use only
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -24,12 +27,14 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, s
 
 
 class Server:
-    """A loopback TCP server running ``handler`` for each connection; counts connections."""
+    """A loopback TCP server running ``handler`` for each connection; counts connections.
+    With ``tls``, it speaks https with the test certificate in ``tests/data/tls``."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, tls: bool = False) -> None:
         self.handler = handler
         self.connections = 0
         self.server: asyncio.base_events.Server | None = None
+        self.tls = tls
 
     async def __aenter__(self) -> "Server":
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -41,7 +46,11 @@ class Server:
             finally:
                 writer.close()
 
-        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        context = None
+        if self.tls:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(TLS / "localhost.crt", TLS / "localhost.key")
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=context)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -52,7 +61,7 @@ class Server:
     def url(self) -> str:
         assert self.server is not None
         port = self.server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}/v1"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{port}/v1"
 
 
 def keep_answering(response: bytes, *, split: int = 0, delay: float = 0.0) -> Handler:
@@ -379,5 +388,25 @@ def test_idle_limit_does_not_blame_the_server_for_a_slow_reader() -> None:
             await asyncio.sleep(0.35)  # the reader dawdles; the connection is paused meanwhile
             assert await r.read() == big
             r.release()
+            await pool.close()
+    asyncio.run(main())
+
+
+def test_https_verifies_the_certificate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """https goes through the standard ssl module with verification on: an unknown certificate
+    is refused; trusted (here through SSL_CERT_FILE, as an operator would for a private CA),
+    the request goes through and the connection is kept alive."""
+    async def main() -> None:
+        async with Server(keep_answering(LENGTH), tls=True) as server:
+            pool = Pool(server.url)
+            with pytest.raises(ConnectError, match="TLS handshake failed"):
+                await pool.request("POST", "/v1/chat/completions", body=b"{}")
+            monkeypatch.setenv("SSL_CERT_FILE", str(TLS / "localhost.crt"))
+            pool = Pool(server.url)
+            for _ in range(2):
+                r = await pool.request("POST", "/v1/chat/completions", body=b"{}")
+                assert r.status == 200 and await r.read() == b'{"a": "b"}\n'
+                r.release()
+            assert server.connections == 1  # the refused handshake never got this far; then one, kept alive
             await pool.close()
     asyncio.run(main())

@@ -57,7 +57,6 @@ class _Connection(asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.lost = False
-        self.error: HTTPError | None = None
         self.idle_since = 0.0
         self.response: Response | None = None
         self.got_bytes = False  # since the current request was sent

@@ -204,31 +204,26 @@ class Response:
             return
         self._conn._fail(ReadTimeout(f"sent nothing for {self._idle_s:g}s"))
 
-    def _stop_watching(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-
     def release(self) -> None:
         """Done with it: the connection goes back to the pool if the body ended cleanly."""
-        if self._finished:
-            return
-        self._finished = True
-        self._stop_watching()
-        self._conn.response = None
-        if self._complete and self._error is None and self._keep_alive and not self._conn.lost:
-            self._pool._put(self._conn)
-        else:
-            self._pool._discard(self._conn)
+        self._finish(reuse=self._complete and self._error is None and self._keep_alive)
 
     def close(self) -> None:
         """Drop the connection (the server stops sending, a client that left costs nothing more)."""
+        self._finish(reuse=False)
+
+    def _finish(self, reuse: bool) -> None:
         if self._finished:
             return
         self._finished = True
-        self._stop_watching()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._conn.response = None
-        self._pool._discard(self._conn)
+        if reuse and not self._conn.lost:
+            self._pool._put(self._conn)
+        else:
+            self._pool._discard(self._conn)
 
     # --- parsing (called by the connection) --------------------------------------------------
 

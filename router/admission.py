@@ -56,18 +56,15 @@ class AdmissionQueue:
     def try_acquire(self) -> Ticket | None:
         """A slot now if one is free and nobody waits for it, without a trip through the event
         loop; ``None`` otherwise (then :meth:`acquire`)."""
-        if self.max_concurrency is None or (self.running < self.max_concurrency and not self._heap):
+        if self.max_concurrency is None or (self.running < self.max_concurrency and not self.waiting):
             self.running += 1
             return Ticket(self)
         return None
 
     async def acquire(self, priority: int = 0) -> Ticket:
-        if self.max_concurrency is None:
-            self.running += 1
-            return Ticket(self)
-        if self.running < self.max_concurrency and not self.waiting:
-            self.running += 1
-            return Ticket(self)
+        ticket = self.try_acquire()
+        if ticket is not None:
+            return ticket
         if self.max_queue is not None and self.waiting >= self.max_queue:
             raise TooBusy(self.model)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

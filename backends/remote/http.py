@@ -116,7 +116,7 @@ class Response:
 
     __slots__ = (
         "status", "headers", "_conn", "_pool", "_head_done", "_head_waiter", "_mode", "_remaining",
-        "_pieces", "_buffered", "_waiter", "_complete", "_error", "_got_bytes", "_keep_alive",
+        "_pieces", "_buffered", "_waiter", "_complete", "_error", "_keep_alive",
         "_finished", "_idle_s", "_last_data", "_idle_timer",
     )
 
@@ -134,7 +134,6 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
         self._complete = False
         self._error: HTTPError | None = None
-        self._got_bytes = False
         self._keep_alive = True
         self._finished = False
         self._idle_s = 0.0
@@ -245,8 +244,7 @@ class Response:
             self._complete = True
             self._wake()
             return
-        self._fail(Disconnected("broke off the response" if self._got_bytes or self._head_done
-                                else "closed the connection"))
+        self._fail(Disconnected("broke off the response" if self._conn.got_bytes else "closed the connection"))
 
     def _body(self, data: bytes) -> None:
         if data:
@@ -256,7 +254,6 @@ class Response:
                 self._conn.pause()
 
     def _parse(self, buf: bytearray) -> None:
-        self._got_bytes = True
         if self._idle_timer is not None:
             self._last_data = self._conn.loop.time()
         if self._complete:  # bytes after the end: the connection cannot be trusted again

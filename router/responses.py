@@ -79,8 +79,15 @@ class DisconnectWatch:
         self._watcher: asyncio.Task[None] | None = None
 
     async def _watch(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await self._receive())["type"] != "http.disconnect":
+                pass
+        except asyncio.CancelledError:
+            # The block ended: __exit__ cancelled us. Ending normally instead of cancelled keeps
+            # the CancelledError (its traceback holds this frame, which holds ``self``, which
+            # holds this task) out of a reference cycle: one per request for the cyclic GC to
+            # find otherwise, with the request's task and scope hanging from it.
+            return
         self.gone = True
         self._caller.cancel()
 
@@ -91,6 +98,7 @@ class DisconnectWatch:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         assert self._watcher is not None
         self._watcher.cancel()
+        self._watcher = None
         if self.gone and kind is not None and issubclass(kind, asyncio.CancelledError):
             self._caller.uncancel()
             return True  # our cancellation, not anybody else's (shutdown): it ends here

@@ -88,3 +88,33 @@ def test_messages_other_than_disconnect_are_ignored() -> None:
             await asyncio.sleep(0.02)
         assert not watch.gone
     asyncio.run(main())
+
+
+def test_no_reference_cycles_left_per_request() -> None:
+    """Each use must be freed by reference counting alone: a cycle per request (a cancelled
+    watcher keeping its CancelledError, whose traceback holds the watch and so the task) makes
+    the cyclic GC run often and scan the request's task and scope each time."""
+    import gc
+
+    async def main() -> int:
+        client = Client()
+        receive = SimpleNamespace(receive=client.receive)
+        for _ in range(3):  # warm-up: first-use caches are not per-request garbage
+            await unless_disconnected(receive, asyncio.sleep(0))
+        await asyncio.sleep(0)
+        gc.collect()
+        for _ in range(50):
+            await unless_disconnected(receive, asyncio.sleep(0))
+            with DisconnectWatch(client.receive):
+                await asyncio.sleep(0)
+        await asyncio.sleep(0)  # let the cancelled watchers finish
+        return gc.collect()
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        found = asyncio.run(main())
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert found < 10, f"{found} objects were only reclaimable by the cyclic GC after 100 uses"

@@ -6,6 +6,7 @@ it on ``app.state.router``, so tests can build an app with exactly the plugins t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -17,6 +18,7 @@ from litestar.exceptions import HTTPException
 from .auth import OPEN_PATHS
 from .config import RouterConfig
 from .errors import APIError, ErrorBody, ErrorEnvelope, ServerError
+from .gctune import tune_for_serving
 from .plugins import Plugins, load_plugins
 from .responses import json_response
 from .routes import ROUTES, request_state, state_of
@@ -83,17 +85,26 @@ def _server_error(request: Request, exc: Exception) -> Response[bytes]:
 # --- factory --------------------------------------------------------------------------------
 
 
-def create_app(config: RouterConfig, plugins: Plugins | None = None) -> Litestar:
-    """Build the app for ``config`` with ``plugins`` (default: every installed plugin)."""
+def create_app(config: RouterConfig, plugins: Plugins | None = None, *, tune_gc: bool = False) -> Litestar:
+    """Build the app for ``config`` with ``plugins`` (default: every installed plugin).
+    ``tune_gc``: once every model has loaded, tune the cyclic GC for serving
+    (:mod:`router.gctune`); the CLI's server does, an app embedded in another process does not."""
     plugins = plugins or load_plugins()
     state = RouterState(config, plugins)
+
+    async def tune_when_loaded() -> None:
+        await state.wait_ready()
+        tune_for_serving()
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await state.start()
+        tuning = asyncio.create_task(tune_when_loaded()) if tune_gc else None
         try:
             yield
         finally:
+            if tuning is not None:
+                tuning.cancel()
             await state.stop()
 
     app = Litestar(

@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     _configure_logging(level)
     for name, why in plugins.skipped.items():
         logging.getLogger("router").warning("plugin %s skipped: %s", name, why)
-    app = create_app(config, plugins)
+    app = create_app(config, plugins, tune_gc=True)
     logging.getLogger("router").info("serving %d model(s) on http://%s:%d", len(config.models), host, port)
     # SIGTERM: uvicorn stops accepting, lets running requests (streams too) finish for up to
     # shutdown_timeout seconds, then runs the lifespan shutdown; we then exit 0.

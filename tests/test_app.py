@@ -159,3 +159,37 @@ def test_relay_reports_once_however_the_stream_ends():
         return seen, closed_early, half
 
     assert asyncio.run(main()) == ([True], [False], [False])
+
+
+def test_served_app_tunes_the_cyclic_gc_once_models_are_loaded():
+    """``tune_gc=True`` (what `router serve` passes): after loading, everything loaded so far is
+    frozen out of the collector and requests in flight no longer trigger passes. Run in a child
+    process: it changes the interpreter's GC settings for good."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent('''
+        import gc, time
+        from litestar.testing import TestClient
+        from router.app import create_app
+        from router.config import parse_config
+        from router.plugins import load_plugins
+        from tests.test_app import CONFIG, BoomPlugin
+        plugins = load_plugins(entrypoints=False, extra=[BoomPlugin()])
+        before = gc.get_threshold()[0], gc.get_freeze_count()
+        with TestClient(create_app(parse_config(CONFIG, plugins.backends), plugins, tune_gc=True)) as c:
+            for _ in range(100):
+                if gc.get_freeze_count():
+                    break
+                time.sleep(0.05)
+            assert c.get("/health").status_code == 200
+            print(*before, gc.get_threshold()[0], gc.get_freeze_count())
+    ''')
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    threshold_before, frozen_before, threshold, frozen = map(int, out.stdout.split())
+    assert (threshold_before, frozen_before) == (700, 0)
+    assert threshold >= 10_000 and frozen > 10_000

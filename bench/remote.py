@@ -157,7 +157,7 @@ def serve_floor(port: int) -> None:
     plugins = load_plugins(extra=[CannedPlugin()])
     config = parse_config(b'[server]\nlog_level = "warning"\n[[models]]\nname = "relay"\nbackend = "canned"\n',
                           plugins.backends)
-    uvicorn.run(create_app(config, plugins), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(create_app(config, plugins, tune_gc=True), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 # --- the HTTP client choice -------------------------------------------------------------------

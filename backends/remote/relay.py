@@ -10,7 +10,6 @@ started, the client sees whatever happens to it (:mod:`.stream`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -23,6 +22,7 @@ from router.params import GenerationParams
 from .http import ConnectTimeout, HTTPError, Response
 from .balancer import Balancer
 from .config import RemoteConfig
+from .deadline import Deadline
 from .deployment import Deployment
 from .errors import RETRYABLE_4XX, blames_request, body_from_json, client_error, error_body, status_of
 from .events import EventSplitter
@@ -154,7 +154,7 @@ class Relay:
         resp = None
         try:
             try:
-                async with asyncio.timeout(d.request_timeout):
+                with Deadline(d.request_timeout):
                     resp = await d.pool.request("POST", d.pool.base_path + path, body=body, headers=d.headers,
                                                 connect_timeout=d.connect_timeout)
                     content = await resp.read()
@@ -206,7 +206,7 @@ class Relay:
         splitter = EventSplitter()
         try:
             try:
-                async with asyncio.timeout(d.first_byte_timeout):
+                with Deadline(d.first_byte_timeout):
                     resp = await d.pool.request("POST", d.pool.base_path + path, body=body, headers=d.headers,
                                                 connect_timeout=d.connect_timeout)
                     if resp.status != 200:

@@ -71,11 +71,24 @@ class _ClosingStreamingResponse(ASGIStreamingResponse):
         await self.send_body(send, receive)
 
     async def send_body(self, send: Any, receive: Any) -> None:
+        events = self.iterator
         try:
             with DisconnectWatch(receive):
-                async for chunk in self.iterator:
+                async for chunk in events:
+                    if chunk == sse.DONE:
+                        # The last event and the end of the body leave in one write, and the
+                        # client has its whole answer before the source finishes (a relay
+                        # waits for its upstream's end to reuse the connection).
+                        await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                        break
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
+            # Outside the watch: once the response is complete, the server reports the client
+            # as gone. Let the source end by itself (it counts the request as complete).
+            async for _ in events:
+                pass  # nothing may follow `[DONE]` on the wire
         finally:
             aclose = getattr(self.iterator, "aclose", None)
             if aclose is not None:

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from backends.remote.stream import DRAIN_S
 from server import RouterProcess
 from sse_util import chat_text, parse_events
 from upstreams import Blackhole, FaultUpstream, closed_port_url
@@ -33,7 +34,7 @@ def model(name: str, deployments: list[tuple], **settings: str) -> str:
 @pytest.fixture(scope="module")
 def ups():
     names = ["primary", "backup", "refused_backup", "shape", "shape_backup", "cut", "cut_backup",
-             "cool", "cool_backup", "endless", "slow", "plain", "gappy", "keyed", "partial"]
+             "cool", "cool_backup", "endless", "slow", "plain", "gappy", "keyed", "partial", "linger"]
     ups = {n: FaultUpstream(name=n).start() for n in names}
     yield ups
     for u in ups.values():
@@ -61,6 +62,7 @@ def router(ups, blackhole, tmp_path_factory):
         + model("slow", [(ups["slow"].url, 1)], request_timeout="30")
         + model("plain", [(ups["plain"].url, 1)], max_tokens_limit="7")
         + model("gappy", [(ups["gappy"].url, 1)])
+        + model("linger", [(ups["linger"].url, 1)])
         + model("keyed", [(ups["keyed"].url, 1)], api_key='"env:ROUTER_TEST_UPSTREAM_KEY"')
         + model("partial", [(closed_port_url(), 1, 'forward_extras = ["top_k"]'), (ups["partial"].url, 1)],
                 failure_threshold="1", cooldown="30")
@@ -230,6 +232,33 @@ def test_stream_without_done_is_not_silently_truncated(router, ups):
     assert events[-1]["error"]["code"] == "upstream_stream_broken"
     assert "before `data: [DONE]`" in events[-1]["error"]["message"]
     assert ups["cut_backup"].hits == []
+
+
+def test_client_has_the_whole_stream_at_done_without_waiting_for_the_upstream_end(router, ups):
+    """After `[DONE]` the client's response ends at once, even while the upstream keeps its
+    body open (the router waits for that end on its own, to reuse the connection, for at most
+    a second), and the request still counts as complete."""
+    up = ups["linger"]
+    up.behaviour, up.delay = "linger", 30.0
+    labels = 'router:request_success_total{model="linger",backend="remote",finished_reason="length"}'
+    before = httpx.get(f"{router.url}/metrics").text
+    disconnects = up.disconnects
+    t0 = time.monotonic()
+    r, raw = stream(router, "linger")
+    # The client has its complete answer while the upstream's body is still open: before the
+    # router gives up waiting for that end (after DRAIN_S, or read_timeout's 0.5 s here), which
+    # it would otherwise wait out first.
+    assert time.monotonic() - t0 < min(DRAIN_S, float(FAST["read_timeout"])) and up.lingered == 0
+    events = parse_events(raw)
+    assert chat_text(events) == " w0 w1 w2" and raw.endswith(b"data: [DONE]\n\n")
+    deadline = time.monotonic() + 10
+    while up.disconnects == disconnects and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert up.disconnects == disconnects + 1  # the router closed the lingering upstream response
+    after = httpx.get(f"{router.url}/metrics").text
+    assert after.count(labels) == 1
+    count = lambda text: float(text.split(labels + " ")[1].split()[0]) if labels in text else 0.0  # noqa: E731
+    assert count(after) - count(before) == 1  # complete, not a 499
 
 
 def test_garbage_event_midway_ends_with_error_event_and_done(router, ups):

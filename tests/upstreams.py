@@ -42,6 +42,7 @@ BEHAVIOURS = (
     "endless",            # a chunk every `gap` seconds until the client leaves
     "garbage",            # 200 whose JSON body (or first event) is not JSON
     "garbage_mid",        # 200 stream: two chunks, then an event that is not JSON, then the rest
+    "linger",             # every event and [DONE], then the body stays open `delay` seconds
 )
 
 GARBAGE = b"{\"choices\": [oops"
@@ -69,6 +70,7 @@ class FaultUpstream:
         self.health_hits = 0
         self.disconnects = 0
         self.finished = 0
+        self.lingered = 0  # "linger" responses that ran to their end
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -237,6 +239,13 @@ class FaultUpstream:
                 await self._body(send, b"", more=False)
                 return
             self.finished += 1  # before the last bytes, as above
+            if behaviour == "linger":
+                await self._body(send, b"data: [DONE]\n\n")
+                if await self._wait(left, self.delay):
+                    return
+                await self._body(send, b"", more=False)
+                self.lingered += 1
+                return
             await self._body(send, b"data: [DONE]\n\n", more=False)
         finally:
             left.cancel()

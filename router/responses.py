@@ -67,12 +67,13 @@ class _ClosingStreamingResponse(ASGIStreamingResponse):
         return self._encoded_headers
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self._encoded_headers})
         await self.send_body(send, receive)
 
     async def send_body(self, send: Any, receive: Any) -> None:
+        """The response start too: if even that fails, the events are still closed."""
         events = self.iterator
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": self._encoded_headers})
             with DisconnectWatch(receive):
                 async for chunk in events:
                     if chunk == sse.DONE:

@@ -193,3 +193,46 @@ def test_served_app_tunes_the_cyclic_gc_once_models_are_loaded():
     threshold_before, frozen_before, threshold, frozen = map(int, out.stdout.split())
     assert (threshold_before, frozen_before) == (700, 0)
     assert threshold >= 10_000 and frozen > 10_000
+
+
+def test_event_stream_messages_and_closing():
+    """What an SSE response sends: `[DONE]` carries the end of the body (one write); a source
+    without it gets an empty final message; the source runs to its end after `[DONE]`; and it
+    is closed however the response ends, a failing response start included."""
+    import asyncio
+
+    from router import sse
+    from router.responses import Relay, event_stream
+
+    async def never() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    async def run(chunks, fail_start=False):
+        sent, ended = [], []
+
+        async def events():
+            for c in chunks:
+                yield c
+            ended.append("source ran to its end")
+
+        async def send(message):
+            if fail_start:
+                raise OSError("client gone")
+            sent.append((message.get("body"), message.get("more_body")))
+
+        response = event_stream(Relay(events(), ended.append), {"x-request-id": "r1"})
+        try:
+            await response({}, never, send)
+        except OSError:
+            pass
+        return sent, ended
+
+    sent, ended = asyncio.run(run([b"data: 1\n\n", sse.DONE]))
+    assert sent == [(None, None), (b"data: 1\n\n", True), (sse.DONE, False)]
+    assert ended == ["source ran to its end", True]
+    sent, ended = asyncio.run(run([b"data: 1\n\n", b"data: 2\n\n"]))
+    assert sent[1:] == [(b"data: 1\n\n", True), (b"data: 2\n\n", True), (b"", False)]
+    assert ended == ["source ran to its end", True]
+    sent, ended = asyncio.run(run([b"data: 1\n\n"], fail_start=True))
+    assert sent == [] and ended == [False]  # never iterated, still closed and reported

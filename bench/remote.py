@@ -105,11 +105,14 @@ def upstream_app():  # type: ignore[no-untyped-def]
     return app
 
 
-def serve_upstream(port: int) -> None:
+def serve_upstream(port: int, stack: str = "auto") -> None:
+    """``stack``: ``auto`` is uvicorn's own choice (uvloop and httptools, both installed with
+    the router), ``stdlib`` the pure-Python pair (asyncio, h11): a slower upstream."""
     import uvicorn
 
+    choice = {"http": "h11", "loop": "asyncio"} if stack == "stdlib" else {}
     uvicorn.run(upstream_app(), host="127.0.0.1", port=port, interface="asgi3", lifespan="off",
-                log_level="warning", access_log=False)
+                log_level="warning", access_log=False, **choice)
 
 
 # --- the floor: the same router with nothing behind it ------------------------------------------
@@ -427,7 +430,8 @@ def run(args: argparse.Namespace) -> str:
     procs = []
     try:
         log = open(tmp / "servers.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, __file__, "upstream", "--port", str(up_port)],
+        procs.append(subprocess.Popen([sys.executable, __file__, "upstream", "--port", str(up_port),
+                                       "--stack", args.upstream_stack],
                                       stdout=log, stderr=log))
         wait_http(f"http://127.0.0.1:{up_port}/health")
         (tmp / "router.toml").write_text(ROUTER_TOML.format(port=up_port))
@@ -474,10 +478,14 @@ def run(args: argparse.Namespace) -> str:
 
 def report(rows, gap_rows, args, load: float) -> str:  # type: ignore[no-untyped-def]
     command = ".venv/bin/python bench/remote.py" + (f" --duration {args.duration:g}" if args.duration != 10 else "")
+    if args.upstream_stack != "auto":
+        command += f" --upstream-stack {args.upstream_stack}"
+    upstream = ("the canned upstream on asyncio and h11" if args.upstream_stack == "stdlib"
+                else "the canned upstream on the same uvicorn stack")
     lines = [
         HEADING, "",
         f"`{command}` (wrk {_wrk_version()}, one router worker, upstream and wrk on the same machine;",
-        f"{machine()}; load average {load:.2f} at the start). `wrk -t1 -c<c> -d{args.duration:g}s` per cell after a",
+        f"{machine()}; {upstream}; load average {load:.2f} at the start). `wrk -t1 -c<c> -d{args.duration:g}s` per cell after a",
         "1 s warm-up; a 16-token stream counts as one request and its latency is the whole stream.",
         "",
         "| request | c | direct req/s | router req/s | router / direct | direct p50 | router p50 | added p50 | direct p99 | router p99 |",
@@ -571,6 +579,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command")
     up = sub.add_parser("upstream", help="(internal) serve the canned upstream")
     up.add_argument("--port", type=int, required=True)
+    up.add_argument("--stack", choices=["auto", "stdlib"], default="auto")
     fl = sub.add_parser("floor", help="(internal) serve the router app with a canned in-process backend")
     fl.add_argument("--port", type=int, required=True)
     sub.add_parser("clients", help="the remote backend's own HTTP client, httpx and aiohttp (if installed) "
@@ -580,11 +589,14 @@ def main() -> None:
     cr.add_argument("--upstream", type=int, required=True)
     cr.add_argument("--client", choices=["own", "httpx", "aiohttp"], required=True)
     parser.add_argument("--duration", type=float, default=10, help="seconds per wrk cell (default 10)")
+    parser.add_argument("--upstream-stack", choices=["auto", "stdlib"], default="auto",
+                        help="the canned upstream's event loop and HTTP parser: uvicorn's choice (uvloop, "
+                             "httptools; default) or asyncio and h11 (a slower upstream)")
     parser.add_argument("--no-docs", action="store_true", help="only print; leave docs/benchmarks.md alone")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
     if args.command == "upstream":
-        serve_upstream(args.port)
+        serve_upstream(args.port, args.stack)
         return
     if args.command == "floor":
         serve_floor(args.port)

@@ -7,7 +7,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from litestar import Request, Response
 from litestar.response.base import ASGIResponse
-from litestar.response.streaming import ASGIStreamingResponse
 
 from . import sse
 from .errors import APIError
@@ -17,60 +16,55 @@ T = TypeVar("T")
 _SSE_TYPE = f"{sse.MEDIA_TYPE}; charset=utf-8".encode()
 
 
-def _encoded(media_type: bytes, headers: dict[str, str], length: int | None = None) -> list[tuple[bytes, bytes]]:
-    out = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-    out.append((b"content-type", media_type))
-    if length is not None:
-        out.append((b"content-length", b"%d" % length))
-    return out
-
-
-class _Reply(ASGIResponse):
-    """A 200 JSON answer, sent as it is. The headers are encoded once here: Litestar's own
-    ``ASGIResponse`` builds them through ``MutableScopeHeaders`` (about a twentieth of a relayed
-    request's time in the router)."""
+class _Encoded(ASGIResponse):
+    """A 200 answer whose headers are encoded once, here: Litestar's own ``ASGIResponse`` builds
+    them through ``MutableScopeHeaders`` (about a twentieth of a relayed request's time in the
+    router). Sent as it is by handlers annotated to return an ``ASGIResponse``."""
 
     __slots__ = ("_encoded_headers",)
 
-    def __init__(self, body: bytes, headers: dict[str, str]) -> None:  # noqa: D107 - no super(): see above
-        self.body = body
+    def __init__(self, media_type: bytes, headers: dict[str, str], length: int | None = None) -> None:
         self.status_code = 200
         self.background = None
         self.is_head_response = False
-        self._encoded_headers = _encoded(b"application/json", headers, len(body))
+        encoded = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        encoded.append((b"content-type", media_type))
+        if length is not None:
+            encoded.append((b"content-length", b"%d" % length))
+        self._encoded_headers = encoded
 
     def encode_headers(self) -> list[tuple[bytes, bytes]]:
         return self._encoded_headers
+
+
+class _Reply(_Encoded):
+    """A JSON body."""
+
+    __slots__ = ()
+
+    def __init__(self, body: bytes, headers: dict[str, str]) -> None:
+        super().__init__(b"application/json", headers, len(body))
+        self.body = body
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self._encoded_headers})
         await send({"type": "http.response.body", "body": self.body, "more_body": False})
 
 
-class _ClosingStreamingResponse(ASGIStreamingResponse):
+class _EventStream(_Encoded):
     """Sends each event as it comes and closes the event iterator as soon as the response ends,
-    disconnects included, so the engine frees the request at once rather than whenever the
-    generator is collected. A client that leaves cancels the sending through one watcher task
-    (Litestar's own sender starts an anyio task group per response: about a tenth of a relayed
-    stream's time in the router). Headers are encoded once, as for :class:`_Reply`."""
+    disconnects included (a failing response start too), so the engine frees the request at once
+    rather than whenever the generator is collected. A client that leaves cancels the sending
+    through one watcher task (Litestar's own sender starts an anyio task group per response:
+    about a tenth of a relayed stream's time in the router)."""
 
-    __slots__ = ("_encoded_headers",)
+    __slots__ = ("iterator",)
 
-    def __init__(self, iterator: AsyncIterator[bytes], headers: dict[str, str]) -> None:  # noqa: D107
+    def __init__(self, iterator: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(_SSE_TYPE, {**sse.HEADERS, **headers})
         self.iterator = iterator
-        self.status_code = 200
-        self.background = None
-        self.is_head_response = False
-        self._encoded_headers = _encoded(_SSE_TYPE, {**sse.HEADERS, **headers})
-
-    def encode_headers(self) -> list[tuple[bytes, bytes]]:
-        return self._encoded_headers
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.send_body(send, receive)
-
-    async def send_body(self, send: Any, receive: Any) -> None:
-        """The response start too: if even that fails, the events are still closed."""
         events = self.iterator
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self._encoded_headers})
@@ -91,7 +85,7 @@ class _ClosingStreamingResponse(ASGIStreamingResponse):
             async for _ in events:
                 pass  # nothing may follow `[DONE]` on the wire
         finally:
-            aclose = getattr(self.iterator, "aclose", None)
+            aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 await aclose()
 
@@ -108,7 +102,7 @@ def json_reply(body: bytes, headers: dict[str, str]) -> ASGIResponse:
 
 def event_stream(events: AsyncIterator[bytes], headers: dict[str, str]) -> ASGIResponse:
     """An SSE answer as the low-level response (see :func:`json_reply`)."""
-    return _ClosingStreamingResponse(events, headers)
+    return _EventStream(events, headers)
 
 
 class ClientGone(APIError):

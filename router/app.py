@@ -15,30 +15,22 @@ import msgspec
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException
 
-from .auth import OPEN_PATHS
 from .config import RouterConfig
 from .errors import APIError, ErrorBody, ErrorEnvelope, ServerError
 from .gctune import tune_for_serving
 from .plugins import Plugins, load_plugins
 from .responses import json_response
-from .routes import ROUTES, request_state, state_of
+from .routes import ROUTES, identify, request_state
 from .state import RouterState
-from .telemetry import new_request_id, request_id
 
 log = logging.getLogger("router.app")
 _encoder = msgspec.json.Encoder()
 
 
 async def _before_request(request: Request) -> None:
-    """Request id (``X-Request-Id`` honoured) into every log line; API key check."""
-    headers = request.headers
-    rid = new_request_id(headers.get("x-request-id"))
-    own = request_state(request)
-    own["request_id"] = rid
-    request_id.set(rid)
-    keyring = state_of(request).keyring
-    if keyring.enabled and request.url.path not in OPEN_PATHS:
-        own["allowed_models"] = keyring.models_for(headers.get("authorization"))
+    """Request id and API key check (:func:`router.routes.identify`) for Litestar's own handlers;
+    the generation endpoints, plain ASGI handlers, call it themselves."""
+    identify(request.scope)
 
 
 def _headers(request: Request, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-from litestar import Request, Response
+from litestar import Response
 from litestar.response.base import ASGIResponse
 
 from . import sse
@@ -158,10 +158,11 @@ class DisconnectWatch:
         return False
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first; then cancel it (which frees its
-    engine work or its place in a queue) and raise :class:`ClientGone`."""
-    with DisconnectWatch(request.receive):
+async def unless_disconnected(receive: Callable[[], Awaitable[Any]], work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first (``receive``: the request's ASGI
+    receive); then cancel it (which frees its engine work or its place in a queue) and raise
+    :class:`ClientGone`."""
+    with DisconnectWatch(receive):
         return await work
     raise ClientGone()
 

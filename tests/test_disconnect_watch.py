@@ -4,7 +4,6 @@ only by the client leaving; any other cancellation passes through untouched."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
@@ -29,7 +28,7 @@ def test_work_finishes_and_no_watcher_is_left_behind() -> None:
     async def main() -> None:
         client = Client()
         before = len(asyncio.all_tasks())
-        assert await unless_disconnected(SimpleNamespace(receive=client.receive), asyncio.sleep(0.01, "done")) == "done"
+        assert await unless_disconnected(client.receive, asyncio.sleep(0.01, "done")) == "done"
         await asyncio.sleep(0)
         assert len(asyncio.all_tasks()) == before
     asyncio.run(main())
@@ -49,7 +48,7 @@ def test_client_leaving_cancels_the_work_and_raises_client_gone() -> None:
 
         asyncio.get_running_loop().call_later(0.02, client.leave)
         with pytest.raises(ClientGone):
-            await unless_disconnected(SimpleNamespace(receive=client.receive), work())
+            await unless_disconnected(client.receive, work())
         assert seen == ["cancelled"]
         task = asyncio.current_task()
         assert task is not None and task.cancelling() == 0  # the cancellation ended with the block
@@ -98,7 +97,7 @@ def test_no_reference_cycles_left_per_request() -> None:
 
     async def main() -> int:
         client = Client()
-        receive = SimpleNamespace(receive=client.receive)
+        receive = client.receive
         for _ in range(3):  # warm-up: first-use caches are not per-request garbage
             await unless_disconnected(receive, asyncio.sleep(0))
         await asyncio.sleep(0)

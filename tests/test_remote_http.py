@@ -410,3 +410,67 @@ def test_https_verifies_the_certificate(monkeypatch: pytest.MonkeyPatch) -> None
             assert server.connections == 1  # the refused handshake never got this far; then one, kept alive
             await pool.close()
     asyncio.run(main())
+
+
+# --- the chunked-body parser, driven directly -----------------------------------------------
+
+MANY_CHUNKS = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in [b"data: {\"n\":%d}\n\n" % i for i in range(12)])
+               + b"A;name=value\r\n0123456789\r\n"  # an extension, upper-case hex
+               + b"1 \r\nx\r\n"  # whitespace after the size
+               + b"0\r\nX-Trailer: t\r\n\r\n")
+MANY_BODY = b"".join(b"data: {\"n\":%d}\n\n" % i for i in range(12)) + b"0123456789x"
+
+
+def _parsed(pieces: list[bytes]) -> tuple[bytes, bool, int]:
+    """Feed ``pieces`` to a connection as separate reads: (body, complete, bytes left unparsed)."""
+    from backends.remote.http import Response, _Connection
+
+    class Transport:
+        def pause_reading(self) -> None: ...
+        def resume_reading(self) -> None: ...
+        def abort(self) -> None: ...
+        def close(self) -> None: ...
+
+    loop = asyncio.new_event_loop()
+    try:
+        conn = _Connection(loop)
+        conn.transport = Transport()  # type: ignore[assignment]
+        resp = Response(conn, None)  # type: ignore[arg-type]
+        conn.response = resp
+        for piece in pieces:
+            conn.data_received(piece)
+        if resp._error is not None:
+            raise resp._error
+        return b"".join(resp._pieces), resp._complete, len(conn._buf)
+    finally:
+        loop.close()
+
+
+def test_chunked_parser_every_split_point() -> None:
+    for cut in range(1, len(MANY_CHUNKS)):
+        assert _parsed([MANY_CHUNKS[:cut], MANY_CHUNKS[cut:]]) == (MANY_BODY, True, 0), cut
+    assert _parsed([MANY_CHUNKS[i:i + 1] for i in range(len(MANY_CHUNKS))]) == (MANY_BODY, True, 0)
+    assert _parsed([MANY_CHUNKS]) == (MANY_BODY, True, 0)
+
+
+def test_chunked_parser_keeps_a_partial_chunk_for_later() -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    assert _parsed([head + b"5\r\nhel"]) == (b"hel", False, 0)
+    assert _parsed([head + b"5\r\nhello\r"]) == (b"hello", False, 1)  # the CR waits for its LF
+    assert _parsed([head + b"5\r\nhello\r\n1"]) == (b"hello", False, 1)  # a size line not finished
+
+
+@pytest.mark.parametrize("size_line", [b"-5", b"+5", b"5_0", b"0x5", b"", b"g", b" ", b";ext"])
+def test_chunked_parser_rejects_malformed_sizes(size_line: bytes) -> None:
+    with pytest.raises(Disconnected, match="malformed chunk"):
+        _parsed([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + size_line + b"\r\nhello\r\n0\r\n\r\n"])
+
+
+@pytest.mark.parametrize("after", [b"XY", b"\rX", b"\n\r"])
+def test_chunked_parser_rejects_data_not_followed_by_crlf(after: bytes) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with pytest.raises(Disconnected, match="malformed chunk"):
+        _parsed([head + b"5\r\nhello" + after + b"0\r\n\r\n"])
+    with pytest.raises(Disconnected, match="malformed chunk"):  # the same, the chunk split across reads
+        _parsed([head + b"5\r\nhel", b"lo" + after + b"0\r\n\r\n"])

@@ -339,26 +339,36 @@ class Response:
         return True
 
     def _chunked(self, buf: bytearray) -> None:
-        """Consume what it can of a chunked body, up to its end. Walks the buffer by offset and
-        cuts the consumed part once: an upstream's burst of events is one read of many chunks."""
-        pos, n = 0, len(buf)
+        """Consume what it can of a chunked body, up to its end. An upstream's burst of events is
+        one read of many chunks: the buffer is copied once, walked by offset, the chunks' data
+        handed on as one piece and the consumed part cut once."""
+        data = bytes(buf)
+        pos, n = 0, len(data)
+        pieces: list[bytes] = []
         try:
             while pos < n:
                 remaining = self._remaining
                 if remaining == -1:  # the size line
-                    end = buf.find(b"\r\n", pos)
+                    end = data.find(b"\r\n", pos)
                     if end < 0:
                         if n - pos > 1024:
                             raise Disconnected("sent a malformed chunk")
                         return
-                    try:
-                        size = int(bytes(buf[pos:end]).split(b";", 1)[0].strip(), 16)
-                    except ValueError:
-                        raise Disconnected("sent a malformed chunk") from None
+                    size = _chunk_size(data[pos:end])
                     pos = end + 2
-                    self._remaining = size if size else -2
+                    if size == 0:
+                        self._remaining = -2
+                        continue
+                    stop = pos + size
+                    if stop + 2 <= n:  # the usual case: the whole chunk and its CRLF are here
+                        if data[stop] != 13 or data[stop + 1] != 10:
+                            raise Disconnected("sent a malformed chunk")
+                        pieces.append(data[pos:stop])
+                        pos = stop + 2
+                        continue
+                    self._remaining = size
                 elif remaining == -2:  # trailers after the last chunk, up to an empty line
-                    end = buf.find(b"\r\n", pos)
+                    end = data.find(b"\r\n", pos)
                     if end < 0:
                         return
                     empty = end == pos
@@ -369,17 +379,29 @@ class Response:
                 elif remaining == -3:  # the CRLF after a chunk's data
                     if n - pos < 2:
                         return
-                    if buf[pos:pos + 2] != b"\r\n":
+                    if data[pos] != 13 or data[pos + 1] != 10:
                         raise Disconnected("sent a malformed chunk")
                     pos += 2
                     self._remaining = -1
                 else:
                     take = min(remaining, n - pos)
-                    self._body(bytes(buf[pos:pos + take]))
+                    pieces.append(data[pos:pos + take])
                     pos += take
                     self._remaining = remaining - take if take < remaining else -3
         finally:
             del buf[:pos]
+            if pieces:
+                self._body(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+
+
+def _chunk_size(line: bytes) -> int:
+    """A chunk-size line's size (hex digits, maybe a ``;extension``)."""
+    if 59 in line:  # b";"
+        line = line.split(b";", 1)[0]
+    digits = line.strip()
+    if not digits or digits.strip(b"0123456789abcdefABCDEF"):
+        raise Disconnected("sent a malformed chunk")
+    return int(digits, 16)
 
 
 class Pool:

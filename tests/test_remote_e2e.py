@@ -104,6 +104,10 @@ def test_sdk_streaming_model_name_rewritten(client, model):
 @pytest.mark.parametrize("model", MODELS)
 def test_stream_equals_non_stream_at_temperature_zero(front, model):
     body = {"model": model, "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
+    # llama-cpp-python's server evaluates a prompt it has not seen from scratch and a repeated one
+    # partly from its cache, and the two can pick different tokens at temperature 0 (seen: the
+    # first answer after start differed from every later one). Compare two cached evaluations.
+    post(front, "/v1/chat/completions", body)
     full = post(front, "/v1/chat/completions", body).json()
     events = parse_events(stream_raw(front, "/v1/chat/completions", {**body, "stream": True}))
     assert chat_text(events) == full["choices"][0]["message"]["content"]

@@ -310,7 +310,11 @@ class LlamaCppServer:
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-             "--port", str(self.port), "--n_ctx", str(n_ctx), "--n_threads", "1", "--n_threads_batch", "1", "--verbose", "False"],
+             "--port", str(self.port), "--n_ctx", str(n_ctx), "--n_threads", "1", "--n_threads_batch", "1", "--verbose", "False",
+             # Its default ends a running stream with a bare [DONE] whenever another request comes
+             # (the front's health probe for a second model on this server cut about one stream in
+             # five); docs/remote.md tells operators to run it this way behind the router.
+             "--interrupt_requests", "False"],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         deadline = time.monotonic() + 120

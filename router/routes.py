@@ -17,7 +17,7 @@ from .connection import header, read_body, scope_state
 from .errors import APIError, BadRequest, ErrorBody
 from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from .requests import chat_params, check_limits, completion_params, decode_body
-from .responses import Relay, event_stream, json_reply, json_response, unless_disconnected
+from .responses import DisconnectWatch, Relay, event_stream, json_reply, json_response, unless_disconnected
 from .state import RouterState
 from .telemetry import RequestRecord, new_request_id, request_id
 
@@ -96,7 +96,8 @@ async def _generate(scope: Scope, receive: Receive, endpoint: str) -> ASGIRespon
         _cap_max_tokens(params, backend)
         params.record = record
         queue = state.queues[backend.name]
-        ticket = queue.try_acquire() or await unless_disconnected(receive, queue.acquire(params.priority))
+        watch = DisconnectWatch(receive)  # one for the whole request: queue, backend, stream
+        ticket = queue.try_acquire() or await unless_disconnected(watch, queue.acquire(params.priority))
     except APIError as exc:
         record.close(exc.status, _prompt_text(record, body))
         raise
@@ -108,14 +109,14 @@ async def _generate(scope: Scope, receive: Receive, endpoint: str) -> ASGIRespon
         if params.stream:
             # A backend may wait for its upstream's first event before answering: a client
             # that leaves meanwhile must not keep that work going.
-            events = await unless_disconnected(receive, call(req, params))
+            events = await unless_disconnected(watch, call(req, params))
 
             def done(completed: bool) -> None:
                 ticket.release()
                 record.close(200 if completed else 499, _prompt_text(record, body))
 
-            return event_stream(Relay(events, done), {"x-request-id": rid})
-        reply = await unless_disconnected(receive, call(req, params))
+            return event_stream(Relay(events, done), {"x-request-id": rid}, watch)
+        reply = await unless_disconnected(watch, call(req, params))
     except APIError as exc:
         ticket.release()
         record.close(exc.status, _prompt_text(record, body))

@@ -236,3 +236,39 @@ def test_event_stream_messages_and_closing():
     assert ended == ["source ran to its end", True]
     sent, ended = asyncio.run(run([b"data: 1\n\n"], fail_start=True))
     assert sent == [] and ended == [False]  # never iterated, still closed and reported
+
+
+def test_event_stream_client_leaving_mid_send_closes_the_source_without_draining_it():
+    """A client that leaves while a send is blocked (a full socket) ends the response: its
+    source is closed at once, not run to its end for nobody."""
+    import asyncio
+
+    from router.responses import Relay, event_stream
+
+    async def main():
+        produced, closed, done = [], [], []
+        left = asyncio.Event()
+
+        async def events():
+            try:
+                for i in range(1000):
+                    produced.append(i)
+                    yield b"data: %d\n\n" % i
+                    await asyncio.sleep(0)
+            finally:
+                closed.append(len(produced))
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message.get("body") == b"data: 5\n\n":
+                left.set()  # the client leaves while this send waits for the socket
+                await asyncio.sleep(0.01)
+
+        await event_stream(Relay(events(), done.append), {})({}, receive, send)
+        return produced, closed, done
+
+    produced, closed, done = asyncio.run(main())
+    assert len(produced) <= 7 and closed == [len(produced)] and done == [False]

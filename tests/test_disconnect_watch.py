@@ -24,13 +24,33 @@ class Client:
         self.left.set()
 
 
-def test_work_finishes_and_no_watcher_is_left_behind() -> None:
+def test_work_finishes_and_the_watcher_ends_with_the_response_cancelling_nothing() -> None:
+    """The watcher outlives the block until the server answers its receive (at the end of the
+    response, as uvicorn does, or when the client goes): then it ends by itself and the request's
+    task, long past the block, is not cancelled."""
     async def main() -> None:
         client = Client()
         before = len(asyncio.all_tasks())
-        assert await unless_disconnected(client.receive, asyncio.sleep(0.01, "done")) == "done"
+        assert await unless_disconnected(DisconnectWatch(client.receive), asyncio.sleep(0.01, "done")) == "done"
         await asyncio.sleep(0)
+        assert len(asyncio.all_tasks()) == before + 1  # still waiting on receive
+        client.leave()  # the response is complete: receive says http.disconnect
+        await asyncio.sleep(0)
+        await asyncio.sleep(0.01)  # not cancelled: this sleep ends normally
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
         assert len(asyncio.all_tasks()) == before
+    asyncio.run(main())
+
+
+def test_client_leaving_after_the_block_cancels_nothing() -> None:
+    async def main() -> None:
+        client = Client()
+        with DisconnectWatch(client.receive) as watch:
+            await asyncio.sleep(0)
+        client.leave()
+        await asyncio.sleep(0.01)
+        assert not watch.gone
     asyncio.run(main())
 
 
@@ -48,7 +68,7 @@ def test_client_leaving_cancels_the_work_and_raises_client_gone() -> None:
 
         asyncio.get_running_loop().call_later(0.02, client.leave)
         with pytest.raises(ClientGone):
-            await unless_disconnected(client.receive, work())
+            await unless_disconnected(DisconnectWatch(client.receive), work())
         assert seen == ["cancelled"]
         task = asyncio.current_task()
         assert task is not None and task.cancelling() == 0  # the cancellation ended with the block
@@ -90,23 +110,30 @@ def test_messages_other_than_disconnect_are_ignored() -> None:
 
 
 def test_no_reference_cycles_left_per_request() -> None:
-    """Each use must be freed by reference counting alone: a cycle per request (a cancelled
+    """Each use must be freed by reference counting alone: a cycle per request (say, a cancelled
     watcher keeping its CancelledError, whose traceback holds the watch and so the task) makes
     the cyclic GC run often and scan the request's task and scope each time."""
     import gc
 
     async def main() -> int:
-        client = Client()
-        receive = client.receive
+        async def request() -> None:
+            client = Client()  # one receive per request, as a server gives
+            watch = DisconnectWatch(client.receive)
+            await unless_disconnected(watch, asyncio.sleep(0))
+            with watch:  # the same watch again, as a stream's response does
+                await asyncio.sleep(0)
+            with DisconnectWatch(client.receive):
+                await asyncio.sleep(0)
+            client.leave()  # the response is complete
+            await asyncio.sleep(0)  # the watchers see it and end
+
         for _ in range(3):  # warm-up: first-use caches are not per-request garbage
-            await unless_disconnected(receive, asyncio.sleep(0))
+            await request()
         await asyncio.sleep(0)
         gc.collect()
         for _ in range(50):
-            await unless_disconnected(receive, asyncio.sleep(0))
-            with DisconnectWatch(client.receive):
-                await asyncio.sleep(0)
-        await asyncio.sleep(0)  # let the cancelled watchers finish
+            await request()
+        await asyncio.sleep(0)
         return gc.collect()
 
     was_enabled = gc.isenabled()
@@ -117,3 +144,37 @@ def test_no_reference_cycles_left_per_request() -> None:
         if was_enabled:
             gc.enable()
     assert found < 10, f"{found} objects were only reclaimable by the cyclic GC after 100 uses"
+
+
+def test_one_watch_guards_several_blocks_with_one_watcher() -> None:
+    async def main() -> None:
+        client = Client()
+        watch = DisconnectWatch(client.receive)
+        before = len(asyncio.all_tasks())
+        assert await unless_disconnected(watch, asyncio.sleep(0, "queued")) == "queued"
+        assert await unless_disconnected(watch, asyncio.sleep(0, "answered")) == "answered"
+        with watch:
+            await asyncio.sleep(0)
+        assert len(asyncio.all_tasks()) == before + 1  # one watcher for all three blocks
+        asyncio.get_running_loop().call_later(0.02, client.leave)
+        with pytest.raises(ClientGone):
+            await unless_disconnected(watch, asyncio.sleep(10))
+        assert watch.gone and asyncio.current_task().cancelling() == 0
+    asyncio.run(main())
+
+
+def test_client_gone_between_blocks_cancels_the_next_one_at_its_first_await() -> None:
+    async def main() -> None:
+        client = Client()
+        watch = DisconnectWatch(client.receive)
+        await unless_disconnected(watch, asyncio.sleep(0))
+        client.leave()
+        await asyncio.sleep(0.01)  # outside any block: nothing is cancelled
+        reached = []
+        with watch:
+            reached.append("block entered")
+            await asyncio.sleep(10)
+            reached.append("never")
+        assert watch.gone and reached == ["block entered"]
+        await asyncio.sleep(0)  # the cancellation ended with the block
+    asyncio.run(main())

@@ -151,7 +151,8 @@ class RelayStream:
                 return self._tail.pop(0)
             if self._events:
                 payload = self._events.popleft()
-                out = self._relay_plain(payload)
+                # `[DONE]` is not JSON: the typed decode would fail on it, with an exception.
+                out = self._relay_plain(payload) if payload != b"[DONE]" else None
                 if out is None:
                     out = self._relay_any(payload)
                 if out is not None:

@@ -73,12 +73,15 @@ class _EventStream(_Encoded):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self._encoded_headers})
             last = b""
-            with watch:
-                async for chunk in events:
-                    if chunk == sse.DONE:
-                        last = chunk
-                        break
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                with watch:
+                    async for chunk in events:
+                        if chunk == sse.DONE:
+                            last = chunk
+                            break
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except ClientGone:
+                return  # gone before the first event: `finally` closes the source
             if watch.gone:
                 return  # the client left: `finally` closes the source now, whatever it had left
             # The last event and the end of the body leave in one write, outside the watch: once
@@ -123,8 +126,10 @@ class ClientGone(APIError):
 class DisconnectWatch:
     """``with watch:`` cancels the enclosed work if the client disconnects meanwhile; the
     cancellation ends at the block (``watch.gone`` says it happened). One watch may guard several
-    blocks of one request (waiting in a queue, waiting for a backend, sending a stream): a client
-    that left between two blocks cancels the next one as it starts.
+    blocks of one request (waiting in a queue, waiting for a backend, sending a stream): a block
+    entered after the client left does not run, it raises :class:`ClientGone` (a cancellation
+    requested then could only land at the block's first suspension, or after the block when the
+    work never suspends; Python 3.11 cannot take such a request back).
 
     The work runs in the calling task and one small task, started by the first block, waits on
     ``receive``: cheaper than running the work in a task of its own and waiting on both
@@ -156,11 +161,11 @@ class DisconnectWatch:
     def __enter__(self) -> "DisconnectWatch":
         caller = asyncio.current_task()
         assert caller is not None
-        self._caller = caller
-        if self._left:  # gone before this block: it is cancelled at its first await
+        if self._left:  # gone before this block
             self.gone = True
-            caller.cancel()
-        elif not self._watching:
+            raise ClientGone()
+        self._caller = caller
+        if not self._watching:
             self._watching = True
             # No reference kept: the server's pending receive keeps the watcher alive until it ends.
             caller.get_loop().create_task(self._watch())
@@ -179,8 +184,14 @@ async def unless_disconnected(watch: DisconnectWatch, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client disconnects first (``watch``: the request's
     :class:`DisconnectWatch`); then cancel it (which frees its engine work or its place in a
     queue) and raise :class:`ClientGone`."""
-    with watch:
-        return await work
+    try:
+        with watch:
+            return await work
+    except ClientGone:
+        close = getattr(work, "close", None)
+        if close is not None:
+            close()  # gone before the block: the work never starts (and warns of nothing)
+        raise
     raise ClientGone()
 
 

@@ -48,13 +48,10 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         if message["type"] != "http.request":
             raise ClientGone()
         chunk = message.get("body", b"")
-        if not message.get("more_body", False) and not chunks:
-            if len(chunk) > limit:
-                raise RequestEntityTooLarge()
-            return chunk  # the usual case: the whole body in one message
         size += len(chunk)
         if size > limit:
             raise RequestEntityTooLarge()
-        chunks.append(chunk)
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            # The usual case: the whole body in one message.
+            return b"".join((*chunks, chunk)) if chunks else chunk
+        chunks.append(chunk)

@@ -24,8 +24,12 @@ from .telemetry import RequestRecord, new_request_id, request_id
 _encoder = msgspec.json.Encoder()
 
 
+def router_state(scope: Scope) -> RouterState:
+    return scope["litestar_app"].state.router
+
+
 def state_of(request: Request) -> RouterState:
-    return request.app.state.router
+    return router_state(request.scope)
 
 
 def request_state(request: Request) -> dict[str, Any]:
@@ -39,7 +43,7 @@ def identify(scope: Scope) -> None:
     own = scope_state(scope)
     own["request_id"] = rid
     request_id.set(rid)
-    keyring = scope["litestar_app"].state.router.keyring
+    keyring = router_state(scope).keyring
     if keyring.enabled and scope["path"] not in OPEN_PATHS:
         own["allowed_models"] = keyring.models_for(header(scope, b"authorization"))
 
@@ -71,7 +75,7 @@ async def _generation_endpoint(scope: Scope, receive: Receive, send: Send, endpo
 
 
 async def _generate(scope: Scope, receive: Receive, endpoint: str) -> ASGIResponse:
-    state: RouterState = scope["litestar_app"].state.router
+    state = router_state(scope)
     server = state.config.server
     own = scope_state(scope)
     rid = own["request_id"]

@@ -150,11 +150,7 @@ class RelayStream:
             if self._tail:
                 return self._tail.pop(0)
             if self._events:
-                payload = self._events.popleft()
-                # `[DONE]` is not JSON: the typed decode would fail on it, with an exception.
-                out = self._relay_plain(payload) if payload != b"[DONE]" else None
-                if out is None:
-                    out = self._relay_any(payload)
+                out = self._relay_event(self._events.popleft())
                 if out is not None:
                     return out
                 continue
@@ -176,7 +172,8 @@ class RelayStream:
 
     def _relay_event(self, payload: bytes) -> bytes | None:
         """One upstream event's ``data``: what the client gets for it (None: nothing)."""
-        out = self._relay_plain(payload)
+        # `[DONE]` is not JSON: the typed decode would fail on it, with an exception.
+        out = self._relay_plain(payload) if payload != b"[DONE]" else None
         return out if out is not None else self._relay_any(payload)
 
     def _relay_plain(self, payload: bytes) -> bytes | None:

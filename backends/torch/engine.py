@@ -45,7 +45,7 @@ class EngineOptions:
     prefix_caching: bool = True
     num_threads: int | None = None
     seed: int | None = None
-    fp16_weights: bool = False
+    weight_format: str = "native"  # native | fp16 | int8 (the last two: CPU, float32)
 
 
 class TorchEngine:
@@ -99,10 +99,15 @@ class TorchEngine:
         model.load_hf_state_dict(checkpoint.weights)
         checkpoint.weights.clear()
         self.model = model.to(device=options.device, dtype=options.dtype).eval()
-        if options.fp16_weights:
+        decoder = None
+        if options.weight_format == "fp16":
             from .quantize import pack_fp16_weights
 
             pack_fp16_weights(self.model)
+        elif options.weight_format == "int8":
+            from .quantize import pack_int8_weights
+
+            pack_int8_weights(self.model)
         self.model.rotary.to(torch.float32)  # the tables stay exact; cast per use
         self.kv = KVCache.allocate(
             spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype, options.device
@@ -110,7 +115,13 @@ class TorchEngine:
         self.pool = BlockPool(num_blocks, options.block_size, prefix_caching=options.prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_batched_tokens)
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
-        self.runner = ModelRunner(self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids)
+        if options.weight_format == "int8":
+            from .cpu_decode import CpuDecoder
+
+            decoder = CpuDecoder(self.model, self.kv)
+        self.runner = ModelRunner(
+            self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids, decoder=decoder
+        )
 
     # --- lifecycle ------------------------------------------------------------------------
 

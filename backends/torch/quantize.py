@@ -34,3 +34,104 @@ def pack_fp16_weights(model: nn.Module) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, FP16WeightLinear(child))
+
+
+GROUP = 32
+"""Inputs sharing one weight scale in the int8 format (a multiple of 16). 32 matches the blocks of
+GGUF's 4- and 8-bit formats; on SmolLM2 it keeps closer to float32 than 64 does (mean KL 0.0012
+against 0.0019, bench/int8_quality.py) at no measurable cost in speed."""
+
+SMALL_BATCH = 8
+"""Up to this many rows a step runs the int8 kernel; above it fbgemm's fp16 GEMM, whose
+register tiling wins once the weights are reused across many rows (bench/decode_kernels.py)."""
+
+
+def quantize_int8(weight: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per ``group`` inputs, packed for ``rk_int8_linear``.
+
+    Returns (packed ``[N4/4, K'/16, 4, 16]`` int8, scales ``[N4, K'/group]`` float32), N4 and K'
+    the output and input sizes rounded up to 4 and to ``group``; the padding is zero.
+    """
+    group = group or GROUP
+    n, k = weight.shape
+    n4, kp = -(-n // 4) * 4, -(-k // group) * group
+    w = torch.zeros(n4, kp, dtype=torch.float32)
+    w[:n, :k] = weight.detach().float()
+    groups = w.view(n4, kp // group, group)
+    scales = groups.abs().amax(-1) / 127.0
+    scales[scales == 0] = 1.0
+    q = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view(n4, kp)
+    packed = q.view(n4 // 4, 4, kp // 16, 16).transpose(1, 2).contiguous()
+    return packed, scales.contiguous()
+
+
+def dequantize_int8(packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The float weight an int8 pack stands for (tests, and the fp16 copy for large batches)."""
+    tiles, chunks = packed.shape[:2]
+    q = packed.transpose(1, 2).reshape(tiles * 4, chunks * 16).float()
+    group = q.shape[1] // scales.shape[1]
+    return (q.view(q.shape[0], -1, group) * scales[..., None]).view_as(q)[:n, :k]
+
+
+class Int8WeightLinear(nn.Module):
+    """A frozen ``nn.Linear`` with int8 weights (``weight_format = "int8"``, CPU, float32).
+
+    Small batches (decode steps) go through the C kernel: the activations are quantized per row to
+    int16 and multiplied on integer units. Larger batches (prefill chunks, many sequences) use an
+    fbgemm fp16 copy of the same int8 values (rounded to float16, about 5e-4 relative), so both
+    paths compute with one set of weights.
+    """
+
+    def __init__(self, linear: nn.Linear, group: int | None = None) -> None:
+        super().__init__()
+        from .native import kernels
+
+        self._k = kernels()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        group = group or GROUP
+        self._packed, self._scales = quantize_int8(linear.weight, group)
+        self._group = group
+        self._kp = self._packed.shape[1] * 16
+        self._bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+        self._bias_ptr = self._bias.data_ptr() if self._bias is not None else None
+        self._w_ptr, self._s_ptr = self._packed.data_ptr(), self._scales.data_ptr()
+        exact = dequantize_int8(self._packed, self._scales, self.out_features, self.in_features)
+        self._fp16 = torch.ops.quantized.linear_prepack_fp16(exact.contiguous(), self._bias)
+
+    @property
+    def padded_in_features(self) -> int:
+        """Row length of the int16 activations :meth:`matmul` takes (inputs rounded up to the group)."""
+        return self._kp
+
+    def matmul(self, q: torch.Tensor, dq: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+        """``out[:m] (+)= dequant(q) @ W.T + bias`` for int16 rows ``q [m, padded_in_features]``
+        with scales ``dq [m]`` (made by the kernels' quantize functions)."""
+        self._k.int8_linear(
+            q.data_ptr(), dq.data_ptr(), q.shape[0], self._kp, self._w_ptr, self._s_ptr, self._group,
+            self._bias_ptr, self.out_features, out.data_ptr(), out.stride(0), int(accumulate),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > SMALL_BATCH:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self._fp16)
+        return self.kernel_forward(x)
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [m, in_features]`` through the C kernel, whatever ``m``."""
+        m = x.shape[0]
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        q = torch.empty(m, self._kp, dtype=torch.int16)
+        dq = torch.empty(m, dtype=torch.float32)
+        self._k.quantize_rows(x.data_ptr(), m, self.in_features, x.stride(0), self._kp, q.data_ptr(), dq.data_ptr())
+        out = torch.empty(m, self.out_features, dtype=torch.float32)
+        self.matmul(q, dq, out)
+        return out
+
+
+def pack_int8_weights(model: nn.Module) -> None:
+    """Replace every ``nn.Linear`` of the model (projections and LM head) in place."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Int8WeightLinear(child))

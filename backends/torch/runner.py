@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from .kv_cache import KVCache
 from .model import CausalLM
 from .sampler import BatchSampler, RowSampling
 from .scheduler import Scheduled, Step
+
+if TYPE_CHECKING:
+    from .cpu_decode import CpuDecoder
 
 
 @dataclass(slots=True)
@@ -25,8 +29,17 @@ class Sampled:
 class ModelRunner:
     """Owns the model, the KV tensors and the sampler; runs scheduled steps."""
 
-    def __init__(self, model: CausalLM, kv: KVCache, sampler: BatchSampler, device: torch.device, eos_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVCache,
+        sampler: BatchSampler,
+        device: torch.device,
+        eos_ids: frozenset[int],
+        decoder: CpuDecoder | None = None,
+    ) -> None:
         self.model = model
+        self.decoder = decoder  # the int8 format's kernel path for small decode-only steps
         self.kv = kv
         self.sampler = sampler
         self.device = device
@@ -79,8 +92,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:
         """Compute one step; advance every scheduled sequence; return the sampled tokens."""
-        input_ids, positions, meta, logits_rows = self.prepare(step)
-        logits = self.model(input_ids, positions, meta, logits_rows)
+        if self.decoder is not None and self.decoder.accepts(step):
+            logits = self.decoder.logits(step)
+        else:
+            input_ids, positions, meta, logits_rows = self.prepare(step)
+            logits = self.model(input_ids, positions, meta, logits_rows)
         sampling = [w for w in step.work if w.samples]
         for w in step.work:
             w.seq.num_computed += w.num_new

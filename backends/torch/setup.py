@@ -42,8 +42,8 @@ def build_engine(config, path: Path) -> TorchEngine:  # type: ignore[no-untyped-
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
         dtype = _DTYPES[config.dtype]
-    if config.weight_format == "fp16" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError('weight_format = "fp16" is for the CPU with dtype float32')
+    if config.weight_format != "native" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f'weight_format = "{config.weight_format}" is for the CPU with dtype float32')
 
     def load():  # type: ignore[no-untyped-def]
         # Runs on the engine thread; the budget needs the weights' size, hence decided here.
@@ -62,7 +62,7 @@ def build_engine(config, path: Path) -> TorchEngine:  # type: ignore[no-untyped-
         prefix_caching=config.prefix_caching,
         num_threads=config.num_threads,
         seed=config.seed,
-        fp16_weights=config.weight_format == "fp16",
+        weight_format=config.weight_format,
     )
     engine = TorchEngine(load, options)
     log.info(

@@ -1,0 +1,128 @@
+"""The engine's C kernels (``csrc/cpu_kernels.c``): built once per machine, loaded with ctypes.
+
+The library is compiled by the system C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``) with
+``-O3 -march=native -fopenmp`` into the router's cache directory, under a name derived from the
+source, the flags and the CPU, so an upgrade or another machine sharing the cache builds its own
+copy; later loads take milliseconds. torch is imported first: its bundled ``libgomp.so.1`` is then
+the OpenMP runtime the library binds to (same soname), so both share one thread pool and
+``torch.set_num_threads`` governs the kernels too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first on purpose: see the module docstring)
+
+from .loader import cache_dir
+
+log = logging.getLogger("router.torch")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+ABI = 1
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """The C kernels could not be built on this machine (no compiler, or it failed)."""
+
+
+class CpuKernels:
+    """Typed entry points of the built library. Pointers are ``tensor.data_ptr()`` integers."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        if lib.rk_abi() != ABI:
+            raise NativeKernelsUnavailable(f"{path} has ABI {lib.rk_abi()}, expected {ABI}")
+        self.threads = lib.rk_threads
+        self.simd = bool(lib.rk_simd())
+        self.quantize_rows = lib.rk_quantize_rows
+        self.quantize_rows.argtypes = [_P, _I, _I, _I, _I, _P, _P]
+        self.quantize_rows.restype = None
+        self.int8_linear = lib.rk_int8_linear
+        self.int8_linear.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _I, _P, _I, ctypes.c_int]
+        self.int8_linear.restype = None
+        self.rmsnorm_quantize = lib.rk_rmsnorm_quantize
+        self.rmsnorm_quantize.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _P, _P]
+        self.rmsnorm_quantize.restype = None
+        self.silu_mul_quantize = lib.rk_silu_mul_quantize
+        self.silu_mul_quantize.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P]
+        self.silu_mul_quantize.restype = None
+        self.decode_attention = lib.rk_decode_attention
+        self.decode_attention.argtypes = [
+            _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _I, _P, _P,
+        ]
+        self.decode_attention.restype = None
+
+
+_lock = threading.Lock()
+_loaded: CpuKernels | None = None
+
+
+def kernels() -> CpuKernels:
+    """The loaded kernels, building them first if this machine has no copy yet."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            path = _build()
+            _loaded = CpuKernels(ctypes.CDLL(str(path)), path)
+        return _loaded
+
+
+def _compiler() -> str:
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise NativeKernelsUnavailable('weight_format = "int8" needs a C compiler (set CC, or install gcc or clang)')
+
+
+def _cpu_signature() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{platform.processor()}|{flags}"
+
+
+def _build() -> Path:
+    cc = _compiler()
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"|".join([source, " ".join(_FLAGS).encode(), cc.encode(), _cpu_signature().encode()]))
+    target = cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:20]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
+    os.close(fd)
+    try:
+        errors = []
+        # Without OpenMP (a compiler that lacks it) the kernels run on one thread.
+        for extra in (("-fopenmp",), ()):
+            cmd = [cc, *_FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode == 0:
+                if not extra:
+                    log.warning("C kernels built without OpenMP: they will use one thread")
+                os.replace(tmp, target)
+                log.info("built the engine's C kernels: %s", target)
+                return target
+            errors.append(f"$ {' '.join(cmd)}\n{done.stderr.strip()}")
+        raise NativeKernelsUnavailable("building the C kernels failed:\n" + "\n".join(errors))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,231 @@
+"""The torch engine's C kernels (int8 weight format) against plain torch references."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.torch import native
+from backends.torch.attention import decode_mask
+from backends.torch.model import ModelSpec, Rotary, apply_rotary
+from backends.torch.quantize import Int8WeightLinear, dequantize_int8, quantize_int8
+
+
+@pytest.fixture(scope="module")
+def k():
+    return native.kernels()
+
+
+def int16_rows(k, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = x.shape
+    q = torch.empty(m, kp, dtype=torch.int16)
+    dq = torch.empty(m)
+    k.quantize_rows(x.data_ptr(), m, n, x.stride(0), kp, q.data_ptr(), dq.data_ptr())
+    return q, dq
+
+
+def test_the_library_is_built_once_and_reused(k, monkeypatch):
+    assert k.path.is_file()
+    monkeypatch.setattr(native, "_loaded", None)
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("rebuilt although the cache has the library")
+
+    monkeypatch.setattr(native.subprocess, "run", no_compiling)
+    assert native.kernels().path == k.path
+
+
+def test_a_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(native.NativeKernelsUnavailable, match="needs a C compiler"):
+        native._compiler()
+
+
+def test_kernels_use_torch_thread_count(k):
+    seen = {}
+
+    def probe():
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        seen["one"] = k.threads()
+        torch.set_num_threads(2)
+        seen["two"] = k.threads()
+        torch.set_num_threads(before)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen == {"one": 1, "two": 2}
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (7, 33), (5, 100), (64, 576)])
+def test_row_quantization_keeps_every_value_to_its_rows_scale(k, shape):
+    torch.manual_seed(0)
+    x = torch.randn(*shape) * torch.logspace(-3, 3, shape[0])[:, None]
+    x[0, 0] = 0.0
+    kp = -(-shape[1] // 32) * 32
+    q, dq = int16_rows(k, x, kp)
+    assert q[:, shape[1] :].eq(0).all()
+    assert torch.allclose(dq, x.abs().amax(1) / 32767)
+    err = (q[:, : shape[1]].double() * dq[:, None].double() - x.double()).abs()
+    assert (err <= dq[:, None] * 0.5001 + x.abs() * 1e-6).all()
+    assert q.abs().max() == 32767
+
+
+def test_a_zero_row_quantizes_to_zeros(k):
+    q, dq = int16_rows(k, torch.zeros(2, 32), 32)
+    assert q.eq(0).all() and dq.eq(1.0).all()
+
+
+@pytest.mark.parametrize("n,kin", [(4, 32), (5, 40), (576, 576), (30, 1536), (3, 7)])
+def test_int8_packing_round_trips_within_half_a_step(n, kin):
+    torch.manual_seed(1)
+    w = torch.randn(n, kin) * torch.rand(n, 1) * 3
+    packed, scales = quantize_int8(w, 32)
+    assert packed.dtype == torch.int8 and packed.shape[2:] == (4, 16)
+    back = dequantize_int8(packed, scales, n, kin)
+    assert back.shape == w.shape
+    groups = -(-kin // 32)
+    step = scales[:n].repeat_interleave(32, dim=1)[:, :kin]
+    assert ((back - w).abs() <= step * 0.5 + 1e-6).all()
+    assert groups == scales.shape[1]
+
+
+def reference_linear(k, lin: Int8WeightLinear, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel must compute: the quantized rows times the dequantized weights."""
+    q, dq = int16_rows(k, x, lin.padded_in_features)
+    w = dequantize_int8(lin._packed, lin._scales, lin.out_features, lin.in_features)
+    out = (q[:, : lin.in_features].double() * dq[:, None].double()) @ w.double().T
+    if lin._bias is not None:
+        out += lin._bias.double()
+    return out.float()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("n,kin,bias", [(4, 32, False), (9, 48, True), (576, 576, False), (130, 1536, True), (1, 16, True)])
+def test_int8_linear_matches_its_reference(k, m, n, kin, bias):
+    torch.manual_seed(m * 1000 + n)
+    lin = Int8WeightLinear(torch.nn.Linear(kin, n, bias=bias))
+    x = torch.randn(m, kin)
+    got = lin(x)
+    want = reference_linear(k, lin, x)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # And close to the float layer it replaced (the weights are int8 now).
+    float_out = F.linear(x, dequantize_int8(lin._packed, lin._scales, n, kin), lin._bias)
+    torch.testing.assert_close(got, float_out, rtol=1e-3, atol=1e-3)
+
+
+def test_int8_linear_accumulates_into_a_strided_output(k):
+    torch.manual_seed(3)
+    lin = Int8WeightLinear(torch.nn.Linear(64, 10, bias=True))
+    x = torch.randn(3, 64)
+    q, dq = int16_rows(k, x, lin.padded_in_features)
+    base = torch.randn(3, 16)
+    out = base.clone()
+    lin.matmul(q, dq, out[:, 2:12], accumulate=True)
+    torch.testing.assert_close(out[:, 2:12], base[:, 2:12] + reference_linear(k, lin, x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, :2], base[:, :2]) and torch.equal(out[:, 12:], base[:, 12:])
+
+
+def test_large_batches_use_the_same_int8_values():
+    torch.manual_seed(4)
+    lin = Int8WeightLinear(torch.nn.Linear(96, 40, bias=True))
+    x = torch.randn(20, 96)  # above SMALL_BATCH: the fp16 copy of the int8 weights
+    w = dequantize_int8(lin._packed, lin._scales, 40, 96)
+    torch.testing.assert_close(lin(x), F.linear(x, w, lin._bias), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("m,n", [(1, 64), (3, 576), (2, 37)])
+def test_rmsnorm_quantize(k, m, n):
+    torch.manual_seed(n)
+    x, weight = torch.randn(m, n) * 5, torch.rand(n) + 0.5
+    kp = -(-n // 32) * 32
+    q = torch.empty(m, kp, dtype=torch.int16)
+    dq, tmp = torch.empty(m), torch.empty(n)
+    k.rmsnorm_quantize(x.data_ptr(), m, n, n, weight.data_ptr(), 1e-5, tmp.data_ptr(), kp, q.data_ptr(), dq.data_ptr())
+    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(q[:, :n].float() * dq[:, None], want, rtol=0, atol=float(dq.max()) * 0.51 + 1e-5)
+
+
+def test_silu_mul_quantize(k):
+    torch.manual_seed(5)
+    m, inter = 3, 80
+    gu = torch.randn(m, 2 * inter) * 3
+    kp = 96
+    q = torch.empty(m, kp, dtype=torch.int16)
+    dq, tmp = torch.empty(m), torch.empty(inter)
+    k.silu_mul_quantize(gu.data_ptr(), m, inter, 2 * inter, tmp.data_ptr(), kp, q.data_ptr(), dq.data_ptr())
+    want = F.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(q[:, :inter].float() * dq[:, None], want, rtol=0, atol=float(dq.max()) * 0.51 + 1e-5)
+    assert q[:, inter:].eq(0).all()
+
+
+def spec(heads: int, kv_heads: int, dim: int, window: int | None) -> ModelSpec:
+    return ModelSpec(
+        vocab_size=10, hidden_size=heads * dim, intermediate_size=8, num_layers=1, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=dim, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_position=256, tie_word_embeddings=False, qkv_bias=False, mlp_bias=False, sliding_window=window,
+    )
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,bs,lengths",
+    [
+        (9, 3, 64, 16, [100]),  # SmolLM2's shape, one sequence
+        (4, 2, 16, 4, [1, 7, 13]),  # ragged batch, block boundaries, a first token
+        (4, 4, 8, 1, [5, 2]),  # no GQA, one-token blocks
+        (6, 2, 32, 8, [30, 9, 17, 8]),  # four sequences
+    ],
+)
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads, dim, bs, window, lengths):
+    torch.manual_seed(len(lengths) * 100 + dim)
+    s = spec(heads, kv_heads, dim, window)
+    rotary = Rotary(s, 256)
+    m = len(lengths)
+    blocks_per_seq = [-(-n // bs) for n in lengths]
+    perm = torch.randperm(sum(blocks_per_seq) + 3).tolist()  # blocks scattered over the cache
+    tables, at = [], 0
+    for b in blocks_per_seq:
+        tables.append(perm[at : at + b])
+        at += b
+    slots = (sum(blocks_per_seq) + 3) * bs
+    k_cache, v_cache = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    positions = torch.tensor([n - 1 for n in lengths])
+    slot = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions.tolist())])
+    qkv = torch.randn(m, (heads + 2 * kv_heads) * dim)
+
+    # Reference: the model's torch path (rotary, cache write, gather, masked SDPA).
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    cos, sin = rotary.tables(positions, torch.float32)
+    qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(m, -1, dim), cos, sin, dim // 2)
+    q, new_k = qk[:, :heads], qk[:, heads:]
+    new_v = qkv[:, (heads + kv_heads) * dim :].view(m, kv_heads, dim)
+    ref_k.index_copy_(0, slot, new_k)
+    ref_v.index_copy_(0, slot, new_v)
+    context = max(lengths)
+    width = max(blocks_per_seq)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    idx = (table_t[:, :, None] * bs + torch.arange(bs)).view(m, -1)[:, :context]
+    keys = ref_k[idx.reshape(-1)].view(m, context, kv_heads, dim).transpose(1, 2)
+    values = ref_v[idx.reshape(-1)].view(m, context, kv_heads, dim).transpose(1, 2)
+    mask = decode_mask(torch.tensor(lengths), context, window)
+    want = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
+    want = want.squeeze(2).reshape(m, heads * dim)
+
+    out = torch.empty(m, heads * dim)
+    scratch = torch.empty(m * heads * context)
+    len_t = torch.tensor(lengths)
+    k.decode_attention(
+        qkv.data_ptr(), m, qkv.shape[1], heads, kv_heads, dim, positions.data_ptr(),
+        rotary.cos.data_ptr(), rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slot.data_ptr(), table_t.data_ptr(), width, len_t.data_ptr(), bs, window or 0, dim**-0.5,
+        context, scratch.data_ptr(), out.data_ptr(),
+    )
+    torch.testing.assert_close(k_cache, ref_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache, ref_v)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,93 @@
+"""The torch engine's int8 weight format: its C decode path, its batching, its distance from float32."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from backends.torch import TorchConfig
+from backends.torch.setup import build_engine
+from test_torch_engine import LENGTHS, PROMPTS, engine_for, generate, run
+from torch_models import smollm2_folder, tiny_checkpoint
+
+
+def counting_decoder(engine):
+    """Count the steps the C decode path runs (it must be the one under test)."""
+    decoder = engine.runner.decoder
+    calls = {"n": 0}
+    logits = decoder.logits
+
+    def counted(step):
+        calls["n"] += 1
+        return logits(step)
+
+    decoder.logits = counted
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_c_decode_steps_match_the_int8_torch_path(tmp_path, arch):
+    # llama: llama3 rope scaling; qwen2: qkv bias, tied embeddings; mistral: sliding window of 8.
+    folder = tiny_checkpoint(tmp_path / arch, arch)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 49152) for _ in range(length)] for length in (5, 23, 40, 11)]
+    outputs = {}
+    for kernels in (True, False):
+        engine = engine_for(folder, weight_format="int8", block_size=4, max_batched_tokens=16)
+        try:
+            if kernels:
+                calls = counting_decoder(engine)
+            else:
+                engine.runner.decoder = None  # every step through CausalLM.forward
+
+            async def all_at_once():
+                return await asyncio.gather(*(generate(engine, p, 20) for p in prompts))
+
+            outputs[kernels] = [out for out, _ in run(all_at_once())]
+            if kernels:
+                assert calls["n"] >= 19  # the decode steps ran in C
+        finally:
+            run(engine.stop())
+    assert outputs[True] == outputs[False]
+
+
+@pytest.fixture(scope="module")
+def smol_int8():
+    engine = engine_for(smollm2_folder(), weight_format="int8")
+    yield engine
+    run(engine.stop())
+
+
+def test_int8_batched_equals_alone_and_stays_close_to_float32(smol_int8):
+    folder = smollm2_folder()
+    ids = [smol_int8.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    calls = counting_decoder(smol_int8)
+    alone = [run(generate(smol_int8, i, 32))[0] for i in ids]
+    assert calls["n"] >= 8 * 31
+
+    async def all_at_once():
+        return await asyncio.gather(*(generate(smol_int8, i, n) for i, n in zip(ids, LENGTHS)))
+
+    batched = [out for out, _ in run(all_at_once())]
+    # Rows are quantized one by one: a sequence's tokens do not depend on its neighbours.
+    assert [b == a[: len(b)] for a, b in zip(alone, batched)] == [True] * 8
+
+    native = engine_for(folder)
+    try:
+        reference = [run(generate(native, i, 32))[0] for i in ids]
+    finally:
+        run(native.stop())
+    # Greedy decoding amplifies any difference once two candidates are near a tie; measured on
+    # this model: 5 of 8 prompts agree on all 32 tokens, the others part at tokens 17-31.
+    agree = [next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), 32) for ours, ref in zip(alone, reference)]
+    assert min(agree) >= 12, agree
+    assert sum(a == 32 for a in agree) >= 4, agree
+
+
+def test_int8_is_a_cpu_float32_format(tmp_path):
+    folder = tiny_checkpoint(tmp_path / "llama", "llama")
+    cfg = TorchConfig(name="t", backend="torch", path=str(folder), weight_format="int8", dtype="bfloat16")
+    with pytest.raises(ValueError, match='weight_format = "int8" is for the CPU with dtype float32'):
+        build_engine(cfg, folder)

@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests per level (default: 2 x concurrency, at least 8)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="device of the torch engine and of generate() (llama.cpp runs on the CPU)")
-    p.add_argument("--torch-weights", choices=["native", "fp16"], default=None,
-                   help="torch engine weight_format (default: fp16 on cpu, native on cuda)")
+    p.add_argument("--torch-weights", choices=["native", "fp16", "int8"], default=None,
+                   help="torch engine weight_format (default: int8 on cpu, native on cuda)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="torch engine kv_cache_gb (default: the backend's, 1 GiB on cpu, 80%% of free memory on cuda)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
@@ -70,9 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.levels or min(args.levels) < 1 or args.max_tokens < 2:
         p.error("--levels must be positive integers and --max-tokens at least 2")
     if args.torch_weights is None:
-        args.torch_weights = "fp16" if args.device == "cpu" else "native"
-    if args.torch_weights == "fp16" and args.device != "cpu":
-        p.error("--torch-weights fp16 is a CPU option (fbgemm kernels); use native on cuda")
+        args.torch_weights = "int8" if args.device == "cpu" else "native"
+    if args.torch_weights != "native" and args.device != "cpu":
+        p.error(f"--torch-weights {args.torch_weights} is a CPU option; use native on cuda")
     if args.bandwidth_gbs is None and args.device == "cuda":
         args.bandwidth_gbs = 4800.0
     return args
@@ -177,7 +177,10 @@ def bandwidth_bound(results: dict, args: argparse.Namespace, params: int) -> dic
     row = results.get("torch", {}).get("levels", {}).get("1")
     if not args.bandwidth_gbs or row is None or not params:
         return None
-    bytes_per_param = 2 if (args.device == "cuda" or args.torch_weights == "fp16") else 4  # bf16 / fp16 / fp32
+    if args.device == "cuda":
+        bytes_per_param = 2.0  # bfloat16
+    else:  # int8: one byte and a float32 scale per 32 weights
+        bytes_per_param = {"native": 4.0, "fp16": 2.0, "int8": 1.125}[args.torch_weights]
     weight_bytes = params * bytes_per_param
     bound = args.bandwidth_gbs * 1e9 / weight_bytes
     decode = 1 / row["itl_s"]["mean"] if row["itl_s"]["mean"] else 0.0

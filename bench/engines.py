@@ -179,8 +179,8 @@ def bandwidth_bound(results: dict, args: argparse.Namespace, params: int) -> dic
         return None
     if args.device == "cuda":
         bytes_per_param = 2.0  # bfloat16
-    else:  # int8: one byte and a float32 scale per 32 weights
-        bytes_per_param = {"native": 4.0, "fp16": 2.0, "int8": 1.125}[args.torch_weights]
+    else:  # int8: one byte, and a float32 scale and minimum per 32 weights
+        bytes_per_param = {"native": 4.0, "fp16": 2.0, "int8": 1.25}[args.torch_weights]
     weight_bytes = params * bytes_per_param
     bound = args.bandwidth_gbs * 1e9 / weight_bytes
     decode = 1 / row["itl_s"]["mean"] if row["itl_s"]["mean"] else 0.0

@@ -4,7 +4,8 @@ For each of the engine-test prompts, float32 greedy decoding writes 64 tokens; t
 reads prompt + continuation once per format (teacher forcing) and every position's next-token
 distribution is compared with float32's: the share of positions whose top token is the same, and
 the mean KL divergence KL(float32 || format). Weights only: each projection's weight is replaced by
-what the format stores (float16, or int8 with one scale per ``group`` inputs, dequantized); the
+what the format stores (float16, or 8 bits with a scale and minimum per ``group`` inputs,
+dequantized); the
 int8 format's int16 activations add a rounding of 1/65,534 of each row's largest value, not
 modelled here. Runs Hugging Face's own model on the dequantized GGUF, no server.
 
@@ -48,8 +49,7 @@ def main() -> None:
     def store(name: str, weight: torch.Tensor, fmt: str) -> torch.Tensor:
         if fmt == "fp16":
             return weight.half().float()
-        packed, scales = quantize_int8(weight, int(fmt.removeprefix("int8/")))
-        return dequantize_int8(packed, scales, *weight.shape)
+        return dequantize_int8(quantize_int8(weight, int(fmt.removeprefix("int8/"))), *weight.shape)
 
     print(f"{len(seqs)} prompts, {CONTINUATION} greedy float32 tokens each, teacher-forced")
     print(f"{'format':<10} {'top-1 same':>10} {'mean KL':>9}")

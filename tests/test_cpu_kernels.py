@@ -83,21 +83,35 @@ def test_a_zero_row_quantizes_to_zeros(k):
 @pytest.mark.parametrize("n,kin", [(4, 32), (5, 40), (576, 576), (30, 1536), (3, 7)])
 def test_int8_packing_round_trips_within_half_a_step(n, kin):
     torch.manual_seed(1)
-    w = torch.randn(n, kin) * torch.rand(n, 1) * 3
-    packed, scales = quantize_int8(w, 32)
-    assert packed.dtype == torch.int8 and packed.shape[2:] == (4, 16)
-    back = dequantize_int8(packed, scales, n, kin)
-    assert back.shape == w.shape
+    w = torch.randn(n, kin) * torch.rand(n, 1) * 3 + torch.rand(n, 1)
+    packed = quantize_int8(w, 32)
     groups = -(-kin // 32)
-    step = scales[:n].repeat_interleave(32, dim=1)[:, :kin]
-    assert ((back - w).abs() <= step * 0.5 + 1e-6).all()
-    assert groups == scales.shape[1]
+    assert packed.dtype == torch.uint8 and packed.shape == (-(-n // 8), groups, 64 + 8 * 32)
+    back = dequantize_int8(packed, n, kin)
+    assert back.shape == w.shape
+    padded = torch.zeros(n, groups * 32)
+    padded[:, :kin] = w
+    g = padded.view(n, groups, 32)
+    step = ((g.amax(-1) - g.amin(-1)) / 255).repeat_interleave(32, dim=1)[:, :kin]
+    assert ((back - w).abs() <= step * 0.5 + 1e-5).all()
+
+
+def test_a_gguf_q4_1_block_is_reproduced_exactly():
+    # Q4_1: 32 weights d * q + m, q in 0..15 (every level used here), d and m float16.
+    torch.manual_seed(2)
+    d = torch.rand(8, 4, 1).half().float() * 0.1
+    m = -torch.rand(8, 4, 1).half().float()
+    q = torch.randint(0, 16, (8, 4, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    w = (d * q + m).view(8, 128)
+    back = dequantize_int8(quantize_int8(w, 32), 8, 128)
+    torch.testing.assert_close(back, w, rtol=0, atol=1e-6)
 
 
 def reference_linear(k, lin: Int8WeightLinear, x: torch.Tensor) -> torch.Tensor:
     """What the kernel must compute: the quantized rows times the dequantized weights."""
     q, dq = int16_rows(k, x, lin.padded_in_features)
-    w = dequantize_int8(lin._packed, lin._scales, lin.out_features, lin.in_features)
+    w = dequantize_int8(lin._packed, lin.out_features, lin.in_features)
     out = (q[:, : lin.in_features].double() * dq[:, None].double()) @ w.double().T
     if lin._bias is not None:
         out += lin._bias.double()
@@ -115,7 +129,7 @@ def test_int8_linear_matches_its_reference(k, m, n, kin, bias):
     assert got.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # And close to the float layer it replaced (the weights are int8 now).
-    float_out = F.linear(x, dequantize_int8(lin._packed, lin._scales, n, kin), lin._bias)
+    float_out = F.linear(x, dequantize_int8(lin._packed, n, kin), lin._bias)
     torch.testing.assert_close(got, float_out, rtol=1e-3, atol=1e-3)
 
 
@@ -135,7 +149,7 @@ def test_large_batches_use_the_same_int8_values():
     torch.manual_seed(4)
     lin = Int8WeightLinear(torch.nn.Linear(96, 40, bias=True))
     x = torch.randn(20, 96)  # above SMALL_BATCH: the fp16 copy of the int8 weights
-    w = dequantize_int8(lin._packed, lin._scales, 40, 96)
+    w = dequantize_int8(lin._packed, 40, 96)
     torch.testing.assert_close(lin(x), F.linear(x, w, lin._bias), rtol=2e-3, atol=2e-3)
 
 

@@ -80,10 +80,11 @@ def test_int8_batched_equals_alone_and_stays_close_to_float32(smol_int8):
     finally:
         run(native.stop())
     # Greedy decoding amplifies any difference once two candidates are near a tie; measured on
-    # this model: 5 of 8 prompts agree on all 32 tokens, the others part at tokens 17-31.
+    # this model: 6 of 8 prompts agree on all 32 tokens, the others part at tokens 27 and 30
+    # (fp16 weights: 7 of 8, one at 27; symmetric int8 per 32 inputs: 5 of 8, from token 17).
     agree = [next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), 32) for ours, ref in zip(alone, reference)]
-    assert min(agree) >= 12, agree
-    assert sum(a == 32 for a in agree) >= 4, agree
+    assert min(agree) >= 16, agree
+    assert sum(a == 32 for a in agree) >= 5, agree
 
 
 def test_int8_is_a_cpu_float32_format(tmp_path):

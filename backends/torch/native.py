@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 1
+ABI = 3
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -50,7 +50,7 @@ class CpuKernels:
         self.quantize_rows.argtypes = [_P, _I, _I, _I, _I, _P, _P]
         self.quantize_rows.restype = None
         self.int8_linear = lib.rk_int8_linear
-        self.int8_linear.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _I, _P, _I, ctypes.c_int]
+        self.int8_linear.argtypes = [_P, _P, _I, _I, _P, _I, _P, _I, _P, _I, ctypes.c_int]
         self.int8_linear.restype = None
         self.rmsnorm_quantize = lib.rk_rmsnorm_quantize
         self.rmsnorm_quantize.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _P, _P]

@@ -37,44 +37,57 @@ def pack_fp16_weights(model: nn.Module) -> None:
 
 
 GROUP = 32
-"""Inputs sharing one weight scale in the int8 format (a multiple of 16). 32 matches the blocks of
-GGUF's 4- and 8-bit formats; on SmolLM2 it keeps closer to float32 than 64 does (mean KL 0.0012
-against 0.0019, bench/int8_quality.py) at no measurable cost in speed."""
+"""Inputs sharing one scale and minimum in the int8 format (a multiple of 16). 32 is the block of
+GGUF's 4- and 8-bit formats, so a Q4_1 block is reproduced exactly (bench/int8_quality.py)."""
 
 SMALL_BATCH = 8
-"""Up to this many rows a step runs the int8 kernel; above it fbgemm's fp16 GEMM, whose
-register tiling wins once the weights are reused across many rows (bench/decode_kernels.py)."""
+"""Up to this many rows a step runs the int8 kernel; above it fbgemm's fp16 GEMM, which wins once
+the weights are reused across many rows: the two take the same time at 8 rows, int8 is 1.6x
+faster at 1 and fp16 1.7x at 32 (bench/decode_kernels.py)."""
 
 
-def quantize_int8(weight: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 with one scale per ``group`` inputs, packed for ``rk_int8_linear``.
+TILE = 8  # output channels packed together (the kernel's TILE)
 
-    Returns (packed ``[N4/4, K'/16, 4, 16]`` int8, scales ``[N4, K'/group]`` float32), N4 and K'
-    the output and input sizes rounded up to 4 and to ``group``; the padding is zero.
+
+def quantize_int8(weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """8 bits per weight, a float scale and minimum per ``group`` inputs, packed for ``rk_int8_linear``.
+
+    A weight is ``scale * u + minimum`` with ``u`` in 0..255 over its group's range; a GGUF Q4_1
+    block (``d * q + m``) whose 16 levels span its range is exact. Returns uint8
+    ``[N' / 8, K' / group, 64 + 8 * group]`` (N' and K' the output and input sizes rounded up to 8
+    and to ``group``, padded with zeros): per tile of 8 channels and group, the 8 scales and 8
+    minimums as float32, then the weights two inputs at a time, [input pair][channel][2].
     """
     group = group or GROUP
     n, k = weight.shape
-    n4, kp = -(-n // 4) * 4, -(-k // group) * group
-    w = torch.zeros(n4, kp, dtype=torch.float32)
+    n8, kp = -(-n // TILE) * TILE, -(-k // group) * group
+    w = torch.zeros(n8, kp, dtype=torch.float32)
     w[:n, :k] = weight.detach().float()
-    groups = w.view(n4, kp // group, group)
-    scales = groups.abs().amax(-1) / 127.0
-    scales[scales == 0] = 1.0
-    q = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view(n4, kp)
-    packed = q.view(n4 // 4, 4, kp // 16, 16).transpose(1, 2).contiguous()
-    return packed, scales.contiguous()
+    groups = w.view(n8, kp // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low) / 255.0
+    scale[scale == 0] = 1.0
+    u = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 255).to(torch.uint8)
+    tiles, ng = n8 // TILE, kp // group
+    header = torch.cat([scale.view(tiles, TILE, ng), low.view(tiles, TILE, ng)], dim=1).transpose(1, 2).contiguous()
+    body = u.view(tiles, TILE, ng, group // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, ng, TILE * group)
+    return torch.cat([header.view(torch.uint8).view(tiles, ng, 8 * TILE), body], dim=-1).contiguous()
 
 
-def dequantize_int8(packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The float weight an int8 pack stands for (tests, and the fp16 copy for large batches)."""
-    tiles, chunks = packed.shape[:2]
-    q = packed.transpose(1, 2).reshape(tiles * 4, chunks * 16).float()
-    group = q.shape[1] // scales.shape[1]
-    return (q.view(q.shape[0], -1, group) * scales[..., None]).view_as(q)[:n, :k]
+def dequantize_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The float weight ``[n, k]`` a pack stands for (tests, and the fp16 copy for large batches)."""
+    tiles, ng, size = packed.shape
+    group = (size - 8 * TILE) // TILE
+    header = packed[..., : 8 * TILE].contiguous().view(torch.float32).view(tiles, ng, 2, TILE)
+    u = packed[..., 8 * TILE :].reshape(tiles, ng, group // 2, TILE, 2).permute(0, 3, 1, 2, 4).float()
+    u = u.reshape(tiles, TILE, ng, group)
+    scale = header[:, :, 0].transpose(1, 2)[..., None]  # [tiles, TILE, ng, 1]
+    low = header[:, :, 1].transpose(1, 2)[..., None]
+    return (u * scale + low).reshape(tiles * TILE, ng * group)[:n, :k]
 
 
 class Int8WeightLinear(nn.Module):
-    """A frozen ``nn.Linear`` with int8 weights (``weight_format = "int8"``, CPU, float32).
+    """A frozen ``nn.Linear`` with 8-bit weights (``weight_format = "int8"``, CPU, float32).
 
     Small batches (decode steps) go through the C kernel: the activations are quantized per row to
     int16 and multiplied on integer units. Larger batches (prefill chunks, many sequences) use an
@@ -89,13 +102,13 @@ class Int8WeightLinear(nn.Module):
         self._k = kernels()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         group = group or GROUP
-        self._packed, self._scales = quantize_int8(linear.weight, group)
+        self._packed = quantize_int8(linear.weight, group)
         self._group = group
-        self._kp = self._packed.shape[1] * 16
+        self._kp = self._packed.shape[1] * group
         self._bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
         self._bias_ptr = self._bias.data_ptr() if self._bias is not None else None
-        self._w_ptr, self._s_ptr = self._packed.data_ptr(), self._scales.data_ptr()
-        exact = dequantize_int8(self._packed, self._scales, self.out_features, self.in_features)
+        self._w_ptr = self._packed.data_ptr()
+        exact = dequantize_int8(self._packed, self.out_features, self.in_features)
         self._fp16 = torch.ops.quantized.linear_prepack_fp16(exact.contiguous(), self._bias)
 
     @property
@@ -107,7 +120,7 @@ class Int8WeightLinear(nn.Module):
         """``out[:m] (+)= dequant(q) @ W.T + bias`` for int16 rows ``q [m, padded_in_features]``
         with scales ``dq [m]`` (made by the kernels' quantize functions)."""
         self._k.int8_linear(
-            q.data_ptr(), dq.data_ptr(), q.shape[0], self._kp, self._w_ptr, self._s_ptr, self._group,
+            q.data_ptr(), dq.data_ptr(), q.shape[0], self._kp, self._w_ptr, self._group,
             self._bias_ptr, self.out_features, out.data_ptr(), out.stride(0), int(accumulate),
         )
 

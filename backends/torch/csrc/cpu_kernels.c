@@ -2,14 +2,14 @@
  *
  * At batch 1 a decode step reads every weight once, and on a small CPU the float kernels cannot
  * keep up with memory: converting each weight to float costs more than reading it. Here weights
- * are int8 with one float scale per group of G inputs (G a multiple of 16), activations are
- * quantized per row to int16 (32,767 levels: below float16's rounding for every row, outliers
- * included), and the dot products run on integer units: 16 weights sign-extended to int16, one
- * multiply-add of pairs into int32 (vpmaddwd), one add. A group's int32 sum becomes float once.
+ * are 8-bit with a float scale and minimum per group of G inputs (G a multiple of 16), activations
+ * are quantized per row to int16 (32,767 levels: below float16's rounding for every row, outliers
+ * included), and the dot products run on integer units: 16 weights widened to int16, one
+ * multiply-add of pairs into int32 (vpmaddwd), one add. A group's int32 sums become float once.
  *
- * Weights are packed by tiles of 4 output channels: for each tile, chunks of 16 inputs of its 4
- * channels follow each other ([tile][K/16][4][16]), so a thread reads one sequential stream
- * (four strided rows defeated the hardware prefetcher: 3 against 14 G weights/s).
+ * A tile's weights, scales and minimums follow each other in one sequential stream per thread
+ * (rows read side by side at their own addresses defeated the hardware prefetcher: 3 against 14 G
+ * weights/s).
  *
  * Built once per machine by backends/torch/native.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes. OpenMP resolves to the libgomp torch already loaded (same soname), so these
@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -26,7 +27,7 @@
 #define RK_AVX2 1
 #endif
 
-int rk_abi(void) { return 1; }
+int rk_abi(void) { return 3; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -168,58 +169,100 @@ void rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t K
     }
 }
 
-/* out[m, n] (+)= dq[m] * sum_g dw[n, g] * sum_{k in g} q[m, k] * w[n, k]  (+ bias[n])
- * w: packed [Np/4][Kp/16][4][16] int8; dw: [Np][Kp/G]; only n < N is written. */
-void rk_int8_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const int8_t *w, const float *dw,
-                    int64_t G, const float *bias, int64_t N, float *out, int64_t os, int accumulate) {
-    const int64_t tiles = (N + 3) / 4, NG = Kp / G;
-#pragma omp parallel for schedule(static) if (tiles * Kp * M > 32768)
-    for (int64_t b = 0; b < tiles; b++) {
-        const int64_t n = 4 * b;
-        const int8_t *wt = w + n * Kp;
-        const float *s[4] = {dw + n * NG, dw + (n + 1) * NG, dw + (n + 2) * NG, dw + (n + 3) * NG};
-        for (int64_t m = 0; m < M; m++) {
-            const int16_t *x = q + m * Kp;
-            float r[4];
+/* Layout of a packed weight (see quantize.quantize_int8): tiles of TILE output channels; in a tile,
+ * per group of G inputs, a header of TILE float scales and TILE float minimums, then G / 2 steps of
+ * 16 bytes, step p holding inputs 2p and 2p + 1 of each of the TILE channels in turn. Widened to
+ * int16 and multiplied-and-paired (vpmaddwd) with those two inputs broadcast, a step leaves each
+ * channel's partial sum in its own int32 lane: no horizontal sums, and one widening serves every
+ * row of the batch. */
+#define TILE 8
+
 #ifdef RK_AVX2
-            __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
-            for (int64_t g = 0; g < NG; g++) {
-                __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-                for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-                    const int8_t *p = wt + 4 * k;
-                    _mm_prefetch((const char *)(p + 2048), _MM_HINT_T0);
-                    const __m256i y = _mm256_loadu_si256((const __m256i *)(x + k));
-                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), y));
-                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16))), y));
-                    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32))), y));
-                    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 48))), y));
-                }
-                f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_set1_ps(s[0][g]), f0);
-                f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_set1_ps(s[1][g]), f1);
-                f2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(s[2][g]), f2);
-                f3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a3), _mm256_set1_ps(s[3][g]), f3);
-            }
-            /* Transpose-and-add the four accumulators: r[j] = sum of f_j's 8 lanes. */
-            __m256 h01 = _mm256_hadd_ps(f0, f1), h23 = _mm256_hadd_ps(f2, f3);
-            __m256 h = _mm256_hadd_ps(h01, h23);
-            _mm_storeu_ps(r, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-#else
-            for (int j = 0; j < 4; j++) {
-                float acc = 0.f;
-                for (int64_t g = 0; g < NG; g++) {
-                    int32_t sum = 0;
-                    for (int64_t k = g * G; k < (g + 1) * G; k++)
-                        sum += (int32_t)x[k] * (int32_t)wt[(k / 16) * 64 + j * 16 + k % 16];
-                    acc += (float)sum * s[j][g];
-                }
-                r[j] = acc;
-            }
-#endif
-            float *o = out + m * os + n;
-            for (int j = 0; j < 4 && n + j < N; j++) {
-                float v = r[j] * dq[m] + (bias ? bias[n + j] : 0.f);
-                o[j] = accumulate ? o[j] + v : v;
+/* R rows (R <= 4) of the batch against one tile: res[r * TILE + c]. */
+static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile, int64_t NG, int64_t G,
+                                                            const int16_t *q, int64_t Kp, const float *xs,
+                                                            const int R, float *res) {
+    const int64_t group_bytes = 8 * TILE + TILE * G;
+    __m256 f[4];
+    for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        const uint8_t *grp = tile + g * group_bytes, *u = grp + 8 * TILE;
+        const int16_t *x = q + g * G;
+        __m256i a[4];
+        for (int r = 0; r < R; r++) a[r] = _mm256_setzero_si256();
+        for (int64_t p = 0; p < G / 2; p++) {
+            if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 2048), _MM_HINT_T0);
+            const __m256i wv = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + 16 * p)));
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * Kp + 2 * p, sizeof pair);
+                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair)));
             }
         }
+        const __m256 scale = _mm256_loadu_ps((const float *)grp), low = _mm256_loadu_ps((const float *)grp + TILE);
+        for (int r = 0; r < R; r++) {
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), scale, f[r]);
+            f[r] = _mm256_fmadd_ps(low, _mm256_set1_ps(xs[r * NG + g]), f[r]);
+        }
     }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res + r * TILE, f[r]);
+}
+#endif
+
+/* out[m, n] (+)= dq[m] * sum_g (s[n, g] * sum_{k in g} q[m, k] u[n, k] + mn[n, g] * sum_{k in g} q[m, k])
+ *               (+ bias[n]); only n < N is written. A weight is s * u + mn with u in 0..255:
+ * asymmetric, so a GGUF Q4_1 block (d * q + m, q in 0..15) is exact with s = d / 17. */
+void rk_int8_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const uint8_t *w, int64_t G,
+                    const float *bias, int64_t N, float *out, int64_t os, int accumulate) {
+    const int64_t tiles = (N + TILE - 1) / TILE, NG = Kp / G, group_bytes = 8 * TILE + TILE * G;
+    float xsum_stack[256];
+    float *xsum = M * NG <= 256 ? xsum_stack : (float *)malloc((size_t)(M * NG) * sizeof(float));
+    for (int64_t i = 0; i < M * NG; i++) { /* each group's sum of the (quantized) inputs */
+        const int16_t *x = q + (i / NG) * Kp + (i % NG) * G;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < G; k++) sum += x[k];
+        xsum[i] = (float)sum;
+    }
+#pragma omp parallel for schedule(static) if (tiles * Kp * M > 32768)
+    for (int64_t b = 0; b < tiles; b++) {
+        const int64_t n = TILE * b;
+        const uint8_t *tile = w + b * NG * group_bytes;
+        float res[4 * TILE];
+        for (int64_t m = 0; m < M;) {
+            const int64_t rows = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+            const int16_t *x = q + m * Kp;
+            const float *xs = xsum + m * NG;
+#ifdef RK_AVX2
+            if (rows == 4)
+                tile_rows(tile, NG, G, x, Kp, xs, 4, res);
+            else if (rows == 2)
+                tile_rows(tile, NG, G, x, Kp, xs, 2, res);
+            else
+                tile_rows(tile, NG, G, x, Kp, xs, 1, res);
+#else
+            for (int64_t r = 0; r < rows; r++) {
+                for (int c = 0; c < TILE; c++) res[r * TILE + c] = 0.f;
+                for (int64_t g = 0; g < NG; g++) {
+                    const uint8_t *grp = tile + g * group_bytes, *u = grp + 8 * TILE;
+                    const float *hdr = (const float *)grp;
+                    for (int c = 0; c < TILE; c++) {
+                        int32_t sum = 0;
+                        for (int64_t k = 0; k < G; k++)
+                            sum += (int32_t)x[r * Kp + g * G + k] * (int32_t)u[(k / 2) * 2 * TILE + c * 2 + k % 2];
+                        res[r * TILE + c] += (float)sum * hdr[c] + hdr[TILE + c] * xs[r * NG + g];
+                    }
+                }
+            }
+#endif
+            for (int64_t r = 0; r < rows; r++) {
+                float *o = out + (m + r) * os + n;
+                for (int c = 0; c < TILE && n + c < N; c++) {
+                    float v = res[r * TILE + c] * dq[m + r] + (bias ? bias[n + c] : 0.f);
+                    o[c] = accumulate ? o[c] + v : v;
+                }
+            }
+            m += rows;
+        }
+    }
+    if (xsum != xsum_stack) free(xsum);
 }

@@ -1,15 +1,18 @@
-"""Decode steps of an int8 model on the CPU, one C kernel per operation.
+"""Decode steps of an int8 model on the CPU, in one C call.
 
 At batch 1 the int8 projections read the whole model in about 9 ms on 2 cores; the same step run
 as torch operations spends as long again dispatching some 3,000 small ones (norms, rotary, the
-cache gather, attention, residual adds). For a step that only decodes, and at most
-:data:`~.quantize.SMALL_BATCH` sequences, a layer here is nine kernel calls:
+cache gather, attention, residual adds), and even one Python call per kernel (270 a step) cost
+3 ms. For a step that only decodes, and at most :data:`~.quantize.SMALL_BATCH` sequences,
+``rk_decode_step`` runs the whole model; per layer:
 
     RMSNorm + quantize -> qkv -> rotary + cache write + attention -> quantize -> o_proj (added to
     the residual) -> RMSNorm + quantize -> gate_up -> SiLU * up + quantize -> down_proj (added)
 
-Every other step (prefill chunks, large batches, other weight formats) runs :class:`.model.CausalLM`
-as written. The numbers are those of the int8 format's own general path up to float rounding.
+and the final norm and LM head. The model's weights are described to C once (:class:`RkModel`);
+a step passes only its tokens' places. Every other step (prefill chunks, large batches, other
+weight formats) runs :class:`.model.CausalLM` as written. The numbers are those of the int8
+format's own general path up to float rounding (tested token for token).
 """
 
 from __future__ import annotations
@@ -28,40 +31,54 @@ class CpuDecoder:
     """Runs pure-decode steps of ``model`` (all its linears :class:`Int8WeightLinear`)."""
 
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
-        from .native import kernels
+        from .native import RkLayer, RkModel, kernels
 
         spec = model.spec
         if spec.head_dim > MAX_HEAD_DIM or spec.head_dim % 2:
             raise ValueError(f"head_dim {spec.head_dim} is not supported by the CPU decode kernels")
+        if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+            raise ValueError("CpuDecoder needs every projection packed as int8")
         self._k = kernels()
         self.model = model
         self.kv = kv
         self.spec = spec
         self.max_rows = SMALL_BATCH
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        if linears:
-            raise ValueError("CpuDecoder needs every projection packed as int8")
-        self._layers = [
-            (
-                layer.input_layernorm.weight.detach().contiguous(),
-                layer.input_layernorm.eps,
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.post_attention_layernorm.weight.detach().contiguous(),
-                layer.post_attention_layernorm.eps,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
+        linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+        self._kp = max(lin.padded_in_features for lin in linears)
+        # Everything C reads stays referenced here (the model holds the packed weights).
+        self._keep = []
+
+        def f32(t: torch.Tensor) -> int:
+            t = t.detach().float().contiguous()
+            self._keep.append(t)
+            return t.data_ptr()
+
+        layers = (RkLayer * spec.num_layers)()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            (qkv, qkv_b), (o, o_b) = attn.qkv_proj.pointers, attn.o_proj.pointers
+            (gu, gu_b), (down, down_b) = mlp.gate_up_proj.pointers, mlp.down_proj.pointers
+            layers[i] = RkLayer(
+                ln1=f32(layer.input_layernorm.weight), ln2=f32(layer.post_attention_layernorm.weight),
+                eps1=layer.input_layernorm.eps, eps2=layer.post_attention_layernorm.eps,
+                qkv=qkv, o=o, gate_up=gu, down=down,
+                qkv_bias=qkv_b, o_bias=o_b, gate_up_bias=gu_b, down_bias=down_b,
+                qkv_kp=attn.qkv_proj.padded_in_features, o_kp=attn.o_proj.padded_in_features,
+                gate_up_kp=mlp.gate_up_proj.padded_in_features, down_kp=mlp.down_proj.padded_in_features,
+                k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(),
             )
-            for layer in model.layers
-        ]
-        self._caches = [(kc.data_ptr(), vc.data_ptr()) for kc, vc in zip(kv.k, kv.v)]
-        self._final_norm = model.norm.weight.detach().contiguous()
-        self._cos = model.rotary.cos.contiguous()
-        self._sin = model.rotary.sin.contiguous()
-        self._scale = spec.head_dim**-0.5
-        self._window = spec.sliding_window or 0
-        self._padded = {lin.padded_in_features for lin in model.modules() if isinstance(lin, Int8WeightLinear)}
-        self._kp = max(self._padded)
+        self._layers = layers
+        head = model.lm_head
+        self._plan = RkModel(
+            num_layers=spec.num_layers, hidden=spec.hidden_size, inter=spec.intermediate_size,
+            heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            group=linears[0].group, vocab=head.out_features, block_size=kv.block_size,
+            window=spec.sliding_window or 0, scale=spec.head_dim**-0.5, final_eps=model.norm.eps,
+            layers=layers, final_norm=f32(model.norm.weight), cos=f32(model.rotary.cos), sin=f32(model.rotary.sin),
+            lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
+        )
+        if any(lin.group != self._plan.group for lin in linears):
+            raise ValueError("CpuDecoder needs one group size for every projection")
 
     def accepts(self, step: Step) -> bool:
         """Whether this step is decode-only and small enough for the kernels."""
@@ -70,7 +87,7 @@ class CpuDecoder:
 
     def logits(self, step: Step) -> torch.Tensor:
         """Logits ``[len(step.work), vocab]`` for a step :meth:`accepts` (every row samples)."""
-        k, spec = self._k, self.spec
+        spec = self.spec
         bs = self.kv.block_size
         work = step.work
         m = len(work)
@@ -86,41 +103,20 @@ class CpuDecoder:
             lengths.append(p + 1)
             tables.extend(table)
             tables.extend([0] * (width - len(table)))
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        pos_t, slot_t, len_t, table_t = as_long(positions), as_long(slots), as_long(lengths), as_long(tables)
         max_len = max(lengths)
-
-        hidden = spec.hidden_size
-        x = self.model.embed_tokens.weight.index_select(0, as_long(ids))  # [m, hidden], the residual
-        qbuf = torch.empty(m * self._kp, dtype=torch.int16)
-        rows = {kp: qbuf[: m * kp].view(m, kp) for kp in self._padded}  # int16 rows, as each linear reads them
-        dq = torch.empty(m, dtype=torch.float32)
-        tmp = torch.empty(max(hidden, spec.intermediate_size), dtype=torch.float32)
-        qkv_size = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-        qkv = torch.empty(m, qkv_size, dtype=torch.float32)
-        attn = torch.empty(m, spec.num_heads * spec.head_dim, dtype=torch.float32)
-        gate_up = torch.empty(m, 2 * spec.intermediate_size, dtype=torch.float32)
-        scratch = torch.empty(m * spec.num_heads * max_len, dtype=torch.float32)
-        xp, qp, dqp, tp = x.data_ptr(), qbuf.data_ptr(), dq.data_ptr(), tmp.data_ptr()
-        # decode_attention's arguments around the layer's two cache pointers.
-        where = (qkv.data_ptr(), m, qkv_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                 pos_t.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr())
-        over = (slot_t.data_ptr(), table_t.data_ptr(), width, len_t.data_ptr(), bs, self._window, self._scale,
-                max_len, scratch.data_ptr(), attn.data_ptr())
-        for (ln1, eps1, qkv_proj, o_proj, ln2, eps2, gate_up_proj, down_proj), (kc, vc) in zip(self._layers, self._caches):
-            k.rmsnorm_quantize(xp, m, hidden, hidden, ln1.data_ptr(), eps1, tp, qkv_proj.padded_in_features, qp, dqp)
-            qkv_proj.matmul(rows[qkv_proj.padded_in_features], dq, qkv)
-            k.decode_attention(*where, kc, vc, *over)
-            k.quantize_rows(attn.data_ptr(), m, attn.shape[1], attn.shape[1], o_proj.padded_in_features, qp, dqp)
-            o_proj.matmul(rows[o_proj.padded_in_features], dq, x, accumulate=True)
-            k.rmsnorm_quantize(xp, m, hidden, hidden, ln2.data_ptr(), eps2, tp, gate_up_proj.padded_in_features, qp, dqp)
-            gate_up_proj.matmul(rows[gate_up_proj.padded_in_features], dq, gate_up)
-            k.silu_mul_quantize(
-                gate_up.data_ptr(), m, spec.intermediate_size, gate_up.shape[1], tp, down_proj.padded_in_features, qp, dqp
-            )
-            down_proj.matmul(rows[down_proj.padded_in_features], dq, x, accumulate=True)
-        head = self.model.lm_head
-        k.rmsnorm_quantize(xp, m, hidden, hidden, self._final_norm.data_ptr(), self.model.norm.eps, tp, head.padded_in_features, qp, dqp)
-        logits = torch.empty(m, head.out_features, dtype=torch.float32)
-        head.matmul(rows[head.padded_in_features], dq, logits)
+        pos_t, slot_t, len_t, table_t = (torch.tensor(xs, dtype=torch.long) for xs in (positions, slots, lengths, tables))
+        x = self.model.embed_tokens.weight.index_select(0, torch.tensor(ids, dtype=torch.long))  # the residual
+        f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
+        q = torch.empty(m, self._kp, dtype=torch.int16)
+        dq, tmp = f32(m), f32(max(spec.hidden_size, spec.intermediate_size))
+        qkv = f32(m, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim)
+        attn = f32(m, spec.num_heads * spec.head_dim)
+        gate_up = f32(m, 2 * spec.intermediate_size)
+        scores = f32(m * spec.num_heads * max_len)
+        logits = f32(m, self._plan.vocab)
+        self._k.decode_step(
+            self._plan, m, x.data_ptr(), pos_t.data_ptr(), slot_t.data_ptr(), table_t.data_ptr(), width,
+            len_t.data_ptr(), max_len, q.data_ptr(), dq.data_ptr(), tmp.data_ptr(), qkv.data_ptr(),
+            attn.data_ptr(), gate_up.data_ptr(), scores.data_ptr(), logits.data_ptr(),
+        )
         return logits

@@ -28,9 +28,34 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 3
+ABI = 4
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class RkLayer(ctypes.Structure):
+    """``rk_layer``: one decoder layer's weights for ``rk_decode_step`` (pointers as integers)."""
+
+    _fields_ = [
+        ("ln1", _P), ("ln2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+        ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
+        ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P),
+        ("qkv_kp", _I), ("o_kp", _I), ("gate_up_kp", _I), ("down_kp", _I),
+        ("k_cache", _P), ("v_cache", _P),
+    ]
+
+
+class RkModel(ctypes.Structure):
+    """``rk_model``: a whole model's shapes and weights for ``rk_decode_step``."""
+
+    _fields_ = [
+        ("num_layers", _I), ("hidden", _I), ("inter", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+        ("group", _I), ("vocab", _I), ("block_size", _I), ("window", _I),
+        ("scale", ctypes.c_float), ("final_eps", ctypes.c_float),
+        ("layers", ctypes.POINTER(RkLayer)),
+        ("final_norm", _P), ("cos", _P), ("sin", _P),
+        ("lm_head", _P), ("lm_head_kp", _I),
+    ]
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -63,6 +88,11 @@ class CpuKernels:
             _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _I, _P, _P,
         ]
         self.decode_attention.restype = None
+        self.decode_step = lib.rk_decode_step
+        self.decode_step.argtypes = [
+            ctypes.POINTER(RkModel), _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P,
+        ]
+        self.decode_step.restype = None
 
 
 _lock = threading.Lock()

@@ -112,6 +112,15 @@ class Int8WeightLinear(nn.Module):
         self._fp16 = torch.ops.quantized.linear_prepack_fp16(exact.contiguous(), self._bias)
 
     @property
+    def group(self) -> int:
+        return self._group
+
+    @property
+    def pointers(self) -> tuple[int, int | None]:
+        """Addresses of the packed weight and of the bias (None: no bias), for the C kernels."""
+        return self._w_ptr, self._bias_ptr
+
+    @property
     def padded_in_features(self) -> int:
         """Row length of the int16 activations :meth:`matmul` takes (inputs rounded up to the group)."""
         return self._kp

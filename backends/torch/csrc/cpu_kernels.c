@@ -27,7 +27,7 @@
 #define RK_AVX2 1
 #endif
 
-int rk_abi(void) { return 3; }
+int rk_abi(void) { return 4; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -141,7 +141,8 @@ void rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t K
         memcpy(v_cache + slot[m] * KVH * D, row + (H + KVH) * D, (size_t)(KVH * D) * sizeof(float));
     }
     const int64_t group = H / KVH;
-#pragma omp parallel for schedule(dynamic, 1) if (M * H > 1)
+    /* Short contexts stay on one thread: waking the team costs more than the work. */
+#pragma omp parallel for schedule(static) if (M * H * max_len >= 8192)
     for (int64_t mh = 0; mh < M * H; mh++) {
         const int64_t m = mh / H, h = mh % H, kvh = h / group;
         const float *q = qkv + m * qs + h * D;
@@ -265,4 +266,50 @@ void rk_int8_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, co
         }
     }
     if (xsum != xsum_stack) free(xsum);
+}
+
+/* A whole decode step, for the weights of one model (see cpu_decode.py, which fills these). */
+typedef struct {
+    const float *ln1, *ln2;
+    float eps1, eps2;
+    const uint8_t *qkv, *o, *gate_up, *down; /* packed weights */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL: none */
+    int64_t qkv_kp, o_kp, gate_up_kp, down_kp; /* padded input sizes */
+    float *k_cache, *v_cache;
+} rk_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, inter, heads, kv_heads, head_dim, group, vocab, block_size, window;
+    float scale, final_eps;
+    const rk_layer *layers;
+    const float *final_norm, *cos, *sin;
+    const uint8_t *lm_head;
+    int64_t lm_head_kp;
+} rk_model;
+
+/* x [M, hidden]: the new tokens' embeddings in, the residual stream throughout. Positions, slots,
+ * block tables and lengths as rk_decode_attention takes them. Scratch: q [M, max kp] int16,
+ * dq [M], tmp [max(hidden, inter)], qkv, attn, gate_up (one row each per sequence), scores
+ * [M heads max_len]. Out: logits [M, vocab]. */
+void rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, const int64_t *slot,
+                    const int64_t *table, int64_t tw, const int64_t *len, int64_t max_len, int16_t *q, float *dq,
+                    float *tmp, float *qkv, float *attn, float *gate_up, float *scores, float *logits) {
+    const int64_t H = md->hidden, I = md->inter, D = md->head_dim;
+    const int64_t qkv_size = (md->heads + 2 * md->kv_heads) * D, attn_size = md->heads * D;
+    for (int64_t i = 0; i < md->num_layers; i++) {
+        const rk_layer *l = md->layers + i;
+        rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
+        rk_int8_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, l->qkv_bias, qkv_size, qkv, qkv_size, 0);
+        rk_decode_attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, md->cos, md->sin, l->k_cache,
+                            l->v_cache, slot, table, tw, len, md->block_size, md->window, md->scale, max_len, scores,
+                            attn);
+        rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
+        rk_int8_linear(q, dq, M, l->o_kp, l->o, md->group, l->o_bias, H, x, H, 1);
+        rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
+        rk_int8_linear(q, dq, M, l->gate_up_kp, l->gate_up, md->group, l->gate_up_bias, 2 * I, gate_up, 2 * I, 0);
+        rk_silu_mul_quantize(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
+        rk_int8_linear(q, dq, M, l->down_kp, l->down, md->group, l->down_bias, H, x, H, 1);
+    }
+    rk_rmsnorm_quantize(x, M, H, H, md->final_norm, md->final_eps, tmp, md->lm_head_kp, q, dq);
+    rk_int8_linear(q, dq, M, md->lm_head_kp, md->lm_head, md->group, NULL, md->vocab, logits, md->vocab, 0);
 }

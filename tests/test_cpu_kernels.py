@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import threading
 
 import pytest
@@ -14,9 +15,33 @@ from backends.torch.model import ModelSpec, Rotary, apply_rotary
 from backends.torch.quantize import Int8WeightLinear, dequantize_int8, quantize_int8
 
 
-@pytest.fixture(scope="module")
-def k():
-    return native.kernels()
+BUILDS = ["native"] + (["portable"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def k(request, tmp_path_factory):
+    """The library as the engine builds it (-march=native: AVX2 here), and a build for plain
+    x86-64, whose scalar loops must compute the same."""
+    if request.param == "native":
+        return native.kernels()
+    path = tmp_path_factory.mktemp("portable") / "cpu_kernels.so"
+    native.compile_library(path, native._compiler(), ("-O2", "-march=x86-64", "-shared", "-fPIC"))
+    built = native.load(path)
+    assert not built.simd
+    return built
+
+
+def linear_with(k, lin: Int8WeightLinear, x: torch.Tensor, out: torch.Tensor | None = None, accumulate=False):
+    """``lin``'s packed weights through the library ``k`` (its rows quantized by ``k`` too)."""
+    q, dq = int16_rows(k, x, lin.padded_in_features)
+    out = torch.empty(x.shape[0], lin.out_features) if out is None else out
+    xsum = torch.empty(x.shape[0] * lin.padded_in_features // lin.group)
+    weight, bias = lin.pointers
+    k.int8_linear(
+        q.data_ptr(), dq.data_ptr(), x.shape[0], lin.padded_in_features, weight, lin.group, bias,
+        lin.out_features, out.data_ptr(), out.stride(0), int(accumulate), xsum.data_ptr(),
+    )
+    return out
 
 
 def int16_rows(k, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,8 +52,9 @@ def int16_rows(k, x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]
     return q, dq
 
 
-def test_the_library_is_built_once_and_reused(k, monkeypatch):
-    assert k.path.is_file()
+def test_the_library_is_built_once_and_reused(monkeypatch):
+    k = native.kernels()
+    assert k.path.is_file() and k.path.stat().st_mode & 0o755 == 0o755
     monkeypatch.setattr(native, "_loaded", None)
 
     def no_compiling(*args, **kwargs):
@@ -44,7 +70,8 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch):
         native._compiler()
 
 
-def test_kernels_use_torch_thread_count(k):
+def test_kernels_use_torch_thread_count():
+    k = native.kernels()
     seen = {}
 
     def probe():
@@ -124,11 +151,12 @@ def test_int8_linear_matches_its_reference(k, m, n, kin, bias):
     torch.manual_seed(m * 1000 + n)
     lin = Int8WeightLinear(torch.nn.Linear(kin, n, bias=bias))
     x = torch.randn(m, kin)
-    got = lin(x)
+    got = linear_with(k, lin, x)
     want = reference_linear(k, lin, x)
     assert got.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # And close to the float layer it replaced (the weights are int8 now).
+    torch.testing.assert_close(lin(x), got, rtol=1e-5, atol=1e-5)  # the module: the engine's build
+    # And close to the float layer it replaced (the weights are 8-bit now).
     float_out = F.linear(x, dequantize_int8(lin._packed, n, kin), lin._bias)
     torch.testing.assert_close(got, float_out, rtol=1e-3, atol=1e-3)
 
@@ -137,12 +165,18 @@ def test_int8_linear_accumulates_into_a_strided_output(k):
     torch.manual_seed(3)
     lin = Int8WeightLinear(torch.nn.Linear(64, 10, bias=True))
     x = torch.randn(3, 64)
-    q, dq = int16_rows(k, x, lin.padded_in_features)
     base = torch.randn(3, 16)
     out = base.clone()
-    lin.matmul(q, dq, out[:, 2:12], accumulate=True)
+    linear_with(k, lin, x, out[:, 2:12], accumulate=True)
     torch.testing.assert_close(out[:, 2:12], base[:, 2:12] + reference_linear(k, lin, x), rtol=1e-5, atol=1e-5)
     assert torch.equal(out[:, :2], base[:, :2]) and torch.equal(out[:, 12:], base[:, 12:])
+
+
+def test_group_sizes_the_kernel_cannot_sum_are_refused():
+    with pytest.raises(ValueError, match="multiple of 16 from 16 to 256"):
+        quantize_int8(torch.randn(8, 512), 512)
+    with pytest.raises(ValueError, match="multiple of 16 from 16 to 256"):
+        quantize_int8(torch.randn(8, 48), 24)
 
 
 def test_large_batches_use_the_same_int8_values():

@@ -78,7 +78,7 @@ def test_greedy_matches_transformers_in_a_mixed_batch_of_8(smol, smol_ids):
         assert ours == hf_greedy(folder, ids, n), smol.tokenizer.decode(ids)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd"])
 def test_tiny_random_architectures_match_transformers(tmp_path, arch):
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, block_size=4, max_batched_tokens=16)

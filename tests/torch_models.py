@@ -35,6 +35,9 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = Qwen2Config(**{**common, "tie_word_embeddings": True}, rope_theta=1000000.0)
     elif arch == "mistral":
         config = MistralConfig(**common, sliding_window=8)
+    elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
+        config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
+                                "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -38,6 +38,10 @@ class CpuDecoder:
             raise ValueError(f"head_dim {spec.head_dim} is not supported by the CPU decode kernels")
         if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
             raise ValueError("CpuDecoder needs every projection packed as int8")
+        # C writes float32 keys and values straight into these tensors.
+        for t in (*kv.k, *kv.v, model.embed_tokens.weight):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("CpuDecoder needs float32, contiguous CPU tensors (KV cache and embeddings)")
         self._k = kernels()
         self.model = model
         self.kv = kv
@@ -113,10 +117,11 @@ class CpuDecoder:
         attn = f32(m, spec.num_heads * spec.head_dim)
         gate_up = f32(m, 2 * spec.intermediate_size)
         scores = f32(m * spec.num_heads * max_len)
+        xsum = f32(m * self._kp // self._plan.group)
         logits = f32(m, self._plan.vocab)
         self._k.decode_step(
             self._plan, m, x.data_ptr(), pos_t.data_ptr(), slot_t.data_ptr(), table_t.data_ptr(), width,
             len_t.data_ptr(), max_len, q.data_ptr(), dq.data_ptr(), tmp.data_ptr(), qkv.data_ptr(),
-            attn.data_ptr(), gate_up.data_ptr(), scores.data_ptr(), logits.data_ptr(),
+            attn.data_ptr(), gate_up.data_ptr(), scores.data_ptr(), xsum.data_ptr(), logits.data_ptr(),
         )
         return logits

@@ -42,6 +42,7 @@ class ModelSpec:
     qkv_bias: bool
     mlp_bias: bool
     sliding_window: int | None
+    o_bias: bool = False  # Llama/Mistral's attention_bias also puts a bias on o_proj (Qwen2's does not)
 
     SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -83,6 +84,7 @@ class ModelSpec:
             qkv_bias=bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2",
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             sliding_window=window,
+            o_bias=bool(getattr(cfg, "attention_bias", False)) and model_type != "qwen2",
         )
 
 
@@ -152,7 +154,7 @@ class Attention(nn.Module):
         self.kv_size = spec.num_kv_heads * spec.head_dim
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.scale = spec.head_dim**-0.5
         self.half = spec.head_dim // 2
         self.sliding_window = spec.sliding_window
@@ -240,6 +242,8 @@ class CausalLM(nn.Module):
             if spec.qkv_bias:
                 copy(attn.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv bias")
             copy(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if spec.o_bias:
+                copy(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             copy(mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
             copy(mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")

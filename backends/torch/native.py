@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 4
+ABI = 5
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -75,7 +75,7 @@ class CpuKernels:
         self.quantize_rows.argtypes = [_P, _I, _I, _I, _I, _P, _P]
         self.quantize_rows.restype = None
         self.int8_linear = lib.rk_int8_linear
-        self.int8_linear.argtypes = [_P, _P, _I, _I, _P, _I, _P, _I, _P, _I, ctypes.c_int]
+        self.int8_linear.argtypes = [_P, _P, _I, _I, _P, _I, _P, _I, _P, _I, ctypes.c_int, _P]
         self.int8_linear.restype = None
         self.rmsnorm_quantize = lib.rk_rmsnorm_quantize
         self.rmsnorm_quantize.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _P, _P]
@@ -90,7 +90,7 @@ class CpuKernels:
         self.decode_attention.restype = None
         self.decode_step = lib.rk_decode_step
         self.decode_step.argtypes = [
-            ctypes.POINTER(RkModel), _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P,
+            ctypes.POINTER(RkModel), _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P,
         ]
         self.decode_step.restype = None
 
@@ -104,9 +104,16 @@ def kernels() -> CpuKernels:
     global _loaded
     with _lock:
         if _loaded is None:
-            path = _build()
-            _loaded = CpuKernels(ctypes.CDLL(str(path)), path)
+            _loaded = load(_build())
         return _loaded
+
+
+def load(path: Path) -> CpuKernels:
+    """Load a built library (tests also load builds made with other flags)."""
+    try:
+        return CpuKernels(ctypes.CDLL(str(path)), path)
+    except OSError as exc:
+        raise NativeKernelsUnavailable(f"cannot load the C kernels from {path}: {exc}") from exc
 
 
 def _compiler() -> str:
@@ -114,7 +121,10 @@ def _compiler() -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise NativeKernelsUnavailable('weight_format = "int8" needs a C compiler (set CC, or install gcc or clang)')
+    raise NativeKernelsUnavailable(
+        'weight_format = "int8" needs a C compiler (set CC, or install gcc or clang); '
+        'weight_format = "fp16" or "native" need none'
+    )
 
 
 def _cpu_signature() -> str:
@@ -136,6 +146,13 @@ def _build() -> Path:
     target = cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:20]}.so"
     if target.is_file():
         return target
+    compile_library(target, cc, _FLAGS)
+    return target
+
+
+def compile_library(target: Path, cc: str, flags: tuple[str, ...]) -> None:
+    """Compile the kernels into ``target`` (atomically: concurrent builders each write their own
+    temporary file), with OpenMP if the compiler has it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
     os.close(fd)
@@ -143,14 +160,15 @@ def _build() -> Path:
         errors = []
         # Without OpenMP (a compiler that lacks it) the kernels run on one thread.
         for extra in (("-fopenmp",), ()):
-            cmd = [cc, *_FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"]
+            cmd = [cc, *flags, *extra, str(SOURCE), "-o", tmp, "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode == 0:
                 if not extra:
                     log.warning("C kernels built without OpenMP: they will use one thread")
+                os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache serves every user
                 os.replace(tmp, target)
                 log.info("built the engine's C kernels: %s", target)
-                return target
+                return
             errors.append(f"$ {' '.join(cmd)}\n{done.stderr.strip()}")
         raise NativeKernelsUnavailable("building the C kernels failed:\n" + "\n".join(errors))
     finally:

@@ -59,6 +59,8 @@ def quantize_int8(weight: torch.Tensor, group: int | None = None) -> torch.Tenso
     minimums as float32, then the weights two inputs at a time, [input pair][channel][2].
     """
     group = group or GROUP
+    if group % 16 or not 16 <= group <= 256:
+        raise ValueError(f"group must be a multiple of 16 from 16 to 256 (the kernel's int32 sums), not {group}")
     n, k = weight.shape
     n8, kp = -(-n // TILE) * TILE, -(-k // group) * group
     w = torch.zeros(n8, kp, dtype=torch.float32)
@@ -128,9 +130,10 @@ class Int8WeightLinear(nn.Module):
     def matmul(self, q: torch.Tensor, dq: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
         """``out[:m] (+)= dequant(q) @ W.T + bias`` for int16 rows ``q [m, padded_in_features]``
         with scales ``dq [m]`` (made by the kernels' quantize functions)."""
+        xsum = torch.empty(q.shape[0] * (self._kp // self._group), dtype=torch.float32)
         self._k.int8_linear(
             q.data_ptr(), dq.data_ptr(), q.shape[0], self._kp, self._w_ptr, self._group,
-            self._bias_ptr, self.out_features, out.data_ptr(), out.stride(0), int(accumulate),
+            self._bias_ptr, self.out_features, out.data_ptr(), out.stride(0), int(accumulate), xsum.data_ptr(),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,6 @@ class TorchEngine:
         model.load_hf_state_dict(checkpoint.weights)
         checkpoint.weights.clear()
         self.model = model.to(device=options.device, dtype=options.dtype).eval()
-        decoder = None
         if options.weight_format == "fp16":
             from .quantize import pack_fp16_weights
 
@@ -115,7 +114,8 @@ class TorchEngine:
         self.pool = BlockPool(num_blocks, options.block_size, prefix_caching=options.prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_batched_tokens)
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
-        if options.weight_format == "int8":
+        decoder = None
+        if options.weight_format == "int8":  # small decode-only steps in one C call
             from .cpu_decode import CpuDecoder
 
             decoder = CpuDecoder(self.model, self.kv)

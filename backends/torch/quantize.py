@@ -11,6 +11,8 @@ not bit-identical with, float32, so this is the ``weight_format = "fp16"`` optio
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -28,12 +30,16 @@ class FP16WeightLinear(nn.Module):
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
 
-def pack_fp16_weights(model: nn.Module) -> None:
-    """Replace every ``nn.Linear`` of the model (projections and LM head) in place."""
+def replace_linears(model: nn.Module, pack: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replace every ``nn.Linear`` of the model (projections and LM head) in place by ``pack(it)``."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, FP16WeightLinear(child))
+                setattr(module, name, pack(child))
+
+
+def pack_fp16_weights(model: nn.Module) -> None:
+    replace_linears(model, FP16WeightLinear)
 
 
 GROUP = 32
@@ -155,8 +161,4 @@ class Int8WeightLinear(nn.Module):
 
 
 def pack_int8_weights(model: nn.Module) -> None:
-    """Replace every ``nn.Linear`` of the model (projections and LM head) in place."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, Int8WeightLinear(child))
+    replace_linears(model, Int8WeightLinear)

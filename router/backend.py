@@ -50,6 +50,7 @@ class Backend(abc.ABC):
         self.error: str | None = None
         self.capabilities: frozenset[str] = frozenset()
         self.max_model_len: int | None = config.max_model_len
+        self._info: ModelInfo | None = None
 
     @property
     def name(self) -> str:
@@ -61,9 +62,13 @@ class Backend(abc.ABC):
 
     @property
     def info(self) -> ModelInfo:
-        return ModelInfo(
-            self.name, self.config.backend, self.capabilities, self.max_model_len, self.config
-        )
+        # Built again only when loading changed what it shows: it is read on every request.
+        info = self._info
+        if info is None or info.capabilities is not self.capabilities or info.max_model_len != self.max_model_len:
+            info = self._info = ModelInfo(
+                self.name, self.config.backend, self.capabilities, self.max_model_len, self.config
+            )
+        return info
 
     async def start(self) -> None:
         """Load whatever the model needs; the router calls it once, in the background."""

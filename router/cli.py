@@ -74,6 +74,9 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=level,
         access_log=False,
         lifespan="on",
+        # Nothing here reads the client address or scheme that X-Forwarded-* would rewrite;
+        # uvicorn's middleware for them is one more ASGI layer on every request.
+        proxy_headers=False,
         timeout_graceful_shutdown=config.server.shutdown_timeout,
         log_config=None,
     )

@@ -25,7 +25,9 @@ _encoder = msgspec.json.Encoder()
 
 
 def router_state(scope: Scope) -> RouterState:
-    return scope["litestar_app"].state.router
+    # Item access: Litestar's ``State`` serves attributes from ``__getattr__``, which runs only
+    # after a failed normal lookup (an AttributeError built and dropped: 1.7 us against 0.2).
+    return scope["litestar_app"].state["router"]
 
 
 def state_of(request: Request) -> RouterState:
@@ -36,14 +38,14 @@ def request_state(request: Request) -> dict[str, Any]:
     return scope_state(request.scope)
 
 
-def identify(scope: Scope) -> None:
+def identify(scope: Scope, state: RouterState | None = None) -> None:
     """The first step of every request: its id (``X-Request-Id`` honoured) into every log line;
     the API key check (401 without a valid key; the models the key may use otherwise)."""
     rid = new_request_id(header(scope, b"x-request-id"))
     own = scope_state(scope)
     own["request_id"] = rid
     request_id.set(rid)
-    keyring = router_state(scope).keyring
+    keyring = (state or router_state(scope)).keyring
     if keyring.enabled and scope["path"] not in OPEN_PATHS:
         own["allowed_models"] = keyring.models_for(header(scope, b"authorization"))
 
@@ -69,13 +71,13 @@ async def _generation_endpoint(scope: Scope, receive: Receive, send: Send, endpo
             await send({"type": "http.response.body", "body": b""})
             return
         raise MethodNotAllowedException(headers={"Allow": "POST, OPTIONS"})
-    identify(scope)
-    response = await _generate(scope, receive, endpoint)
+    state = router_state(scope)
+    identify(scope, state)
+    response = await _generate(state, scope, receive, endpoint)
     await response(scope, receive, send)
 
 
-async def _generate(scope: Scope, receive: Receive, endpoint: str) -> ASGIResponse:
-    state = router_state(scope)
+async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint: str) -> ASGIResponse:
     server = state.config.server
     own = scope_state(scope)
     rid = own["request_id"]

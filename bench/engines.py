@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="device of the torch engine and of generate() (llama.cpp runs on the CPU)")
     p.add_argument("--torch-weights", choices=["native", "fp16", "int8"], default=None,
                    help="torch engine weight_format (default: int8 on cpu, native on cuda)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="torch engine on cuda: every step eagerly (cuda_graphs = false)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="torch engine kv_cache_gb (default: the backend's, 1 GiB on cpu, 80%% of free memory on cuda)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
@@ -89,6 +91,8 @@ def router_config(engine: str, args: argparse.Namespace) -> str:
             lines.append(f'weight_format = "{args.torch_weights}"')
         if args.kv_cache_gb is not None:
             lines.append(f"kv_cache_gb = {args.kv_cache_gb}")
+        if args.no_cuda_graphs:
+            lines.append("cuda_graphs = false")
     return "\n".join(["[[models]]", f'name = "{MODEL_NAME[engine]}"', f'path = "{GGUF}"', *lines, ""])
 
 
@@ -133,6 +137,8 @@ def run_router(engine: str, args: argparse.Namespace, workdir: Path) -> dict:
     detail = args.device if engine == "torch" else "cpu"
     if engine == "torch" and args.device == "cpu":
         detail += f", weights {args.torch_weights}"
+    elif engine == "torch":
+        detail += ", eager" if args.no_cuda_graphs else ", CUDA graphs"
     return {"process": f"router ({engine}, {detail})", "config": config, "levels": levels, "memory": memory}
 
 

@@ -12,6 +12,7 @@ router.toml::
     max_num_seqs = 64        # sequences running at once
     max_batched_tokens = 512 # tokens per step (prefill chunks + decodes)
     weight_format = "int8"   # CPU: "fp16" (fbgemm) or "int8" (own C kernels); default "native"
+    cuda_graphs = true       # CUDA: decode steps replayed from captured graphs
 
 torch and transformers are imported only when a model of this backend loads.
 """
@@ -39,6 +40,9 @@ class TorchConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
     inputs) run by the engine's own C kernels at small batches, with whole decode steps in C
     (about 2x faster than ``fp16`` at batch 1; needs a C compiler, used once). Both give output
     close to, not identical with, float32."""
+    cuda_graphs: bool = True
+    """CUDA only: run decode-only steps from CUDA graphs, captured the first time each padded
+    shape (batch bucket x context bucket) is needed. ``false``: every step eagerly."""
     kv_cache_gb: Annotated[float, Meta(gt=0)] | None = None
     kv_cache_fraction: Annotated[float, Meta(gt=0, le=0.95)] = 0.8
     block_size: Annotated[int, Meta(ge=1, le=1024)] = 16

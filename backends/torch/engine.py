@@ -46,6 +46,9 @@ class EngineOptions:
     num_threads: int | None = None
     seed: int | None = None
     weight_format: str = "native"  # native | fp16 | int8 (the last two: CPU, float32)
+    # Decode-only steps on static buffers (graphs.py): "capture" replays CUDA graphs; "eager"
+    # runs the same padded path without capturing (how it is tested without a GPU); "off".
+    decode_graphs: str = "off"
 
 
 class TorchEngine:
@@ -92,9 +95,14 @@ class TorchEngine:
             torch.set_num_threads(options.num_threads)
         per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype)
         num_blocks = max(1, options.kv_cache_bytes // per_block)
+        graphs = options.decode_graphs != "off"
+        # Static decode steps need one block the pool never hands out (padding rows write there).
+        pool_blocks = num_blocks - 1 if graphs else num_blocks
+        if pool_blocks < 1:
+            raise ValueError("the KV budget holds a single block; decode graphs need two")
         self._block_bytes = per_block
         # A sequence can never be longer than the whole cache.
-        self.max_model_len = min(options.max_model_len, spec.max_position, num_blocks * options.block_size)
+        self.max_model_len = min(options.max_model_len, spec.max_position, pool_blocks * options.block_size)
         model = CausalLM(spec, self.max_model_len)
         model.load_hf_state_dict(checkpoint.weights)
         checkpoint.weights.clear()
@@ -111,7 +119,7 @@ class TorchEngine:
         self.kv = KVCache.allocate(
             spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype, options.device
         )
-        self.pool = BlockPool(num_blocks, options.block_size, prefix_caching=options.prefix_caching)
+        self.pool = BlockPool(pool_blocks, options.block_size, prefix_caching=options.prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_batched_tokens)
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
@@ -119,8 +127,21 @@ class TorchEngine:
             from .cpu_decode import CpuDecoder
 
             decoder = CpuDecoder(self.model, self.kv)
+        decode_graphs = None
+        if graphs:
+            from .graphs import DecodeGraphs
+
+            decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv,
+                max_batch=options.max_num_seqs,
+                max_blocks=-(-self.max_model_len // options.block_size),
+                scratch_block=num_blocks - 1,
+                capture=options.decode_graphs == "capture",
+            )
         self.runner = ModelRunner(
-            self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids, decoder=decoder
+            self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids,
+            decoder=decoder, graphs=decode_graphs,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -140,7 +161,7 @@ class TorchEngine:
             "waiting": self.scheduler.num_waiting + len(self._inbox),
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_total": self.pool.num_blocks,
-            "kv_cache_bytes": self.pool.num_blocks * self._block_bytes,
+            "kv_cache_bytes": self.kv.num_blocks * self._block_bytes,
             "preemptions": self.scheduler.preemptions,
         }
         if self.options.device.type == "cuda":

@@ -17,6 +17,7 @@ from .scheduler import Scheduled, Step
 
 if TYPE_CHECKING:
     from .cpu_decode import CpuDecoder
+    from .graphs import DecodeGraphs
 
 
 @dataclass(slots=True)
@@ -37,9 +38,11 @@ class ModelRunner:
         device: torch.device,
         eos_ids: frozenset[int],
         decoder: CpuDecoder | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.decoder = decoder  # the int8 format's kernel path for small decode-only steps
+        self.graphs = graphs  # decode-only steps on static buffers (CUDA graphs)
         self.kv = kv
         self.sampler = sampler
         self.device = device
@@ -92,8 +95,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:
         """Compute one step; advance every scheduled sequence; return the sampled tokens."""
+        shape = self.graphs.shape(step) if self.graphs is not None else None
         if self.decoder is not None and self.decoder.accepts(step):
             logits = self.decoder.logits(step)
+        elif shape is not None:
+            logits = self.graphs.logits(step, shape)  # type: ignore[union-attr]
         else:
             input_ids, positions, meta, logits_rows = self.prepare(step)
             logits = self.model(input_ids, positions, meta, logits_rows)

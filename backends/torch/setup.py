@@ -63,10 +63,12 @@ def build_engine(config, path: Path) -> TorchEngine:  # type: ignore[no-untyped-
         num_threads=config.num_threads,
         seed=config.seed,
         weight_format=config.weight_format,
+        decode_graphs="capture" if device.type == "cuda" and config.cuda_graphs else "off",
     )
     engine = TorchEngine(load, options)
     log.info(
-        "torch engine: %s %s, %d KV blocks of %d tokens, context %d",
+        "torch engine: %s %s, %d KV blocks of %d tokens, context %d, decode graphs %s",
         device, str(dtype).removeprefix("torch."), engine.pool.num_blocks, config.block_size, engine.max_model_len,
+        options.decode_graphs,
     )
     return engine

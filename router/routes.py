@@ -71,10 +71,16 @@ async def _generation_endpoint(scope: Scope, receive: Receive, send: Send, endpo
             await send({"type": "http.response.body", "body": b""})
             return
         raise MethodNotAllowedException(headers={"Allow": "POST, OPTIONS"})
+    response = await generation_response(scope, receive, endpoint)
+    await response(scope, receive, send)
+
+
+async def generation_response(scope: Scope, receive: Receive, endpoint: str) -> ASGIResponse:
+    """The response to a POST to a generation endpoint (``chat`` or ``completions``): an error
+    before anything is sent raises (:class:`APIError` or Litestar's ``HTTPException``)."""
     state = router_state(scope)
     identify(scope, state)
-    response = await _generate(state, scope, receive, endpoint)
-    await response(scope, receive, send)
+    return await _generate(state, scope, receive, endpoint)
 
 
 async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint: str) -> ASGIResponse:
@@ -161,6 +167,11 @@ def _check_response_format(req: Any, params: Any) -> None:
             "response_format other than `text` needs the structured_outputs plugin, which is not loaded.",
             param="response_format",
         )
+
+
+# The generation endpoints' paths; a POST to one of them usually arrives through the app's fast
+# lane (:class:`router.app.GenerationLane`), everything else through these handlers.
+GENERATION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 @asgi("/v1/chat/completions", copy_scope=False)

@@ -195,3 +195,77 @@ def test_api_keys_on_generation_endpoints():
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
             r = c.post(path, json={**body, "model": "f"}, headers={"Authorization": "Bearer only-f"})
             assert r.status_code == 200
+
+
+# --- the fast lane --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lane_calls(monkeypatch):
+    """Count the requests the app's fast lane answers (Litestar's route calls the same function
+    through router.routes, not through router.app)."""
+    import router.app as app_module
+
+    calls = []
+    real = app_module.generation_response
+
+    async def counted(scope, receive, endpoint):
+        calls.append(endpoint)
+        return await real(scope, receive, endpoint)
+
+    monkeypatch.setattr(app_module, "generation_response", counted)
+    return calls
+
+
+CASES = [
+    ("/v1/chat/completions", MSG, None),  # 200
+    ("/v1/chat/completions", {**MSG, "stream": True}, None),  # 200, a stream
+    ("/v1/completions", {"model": "e", "prompt": "x"}, None),  # 200
+    ("/v1/chat/completions", {**MSG, "max_tokens": "many"}, None),  # 400 from decoding
+    ("/v1/chat/completions", {**MSG, "model": "nope"}, None),  # 404 from the model lookup
+    ("/v1/completions", None, b"{not json"),  # 400, invalid JSON
+    ("/v1/chat/completions", None, b'{"pad":"' + b"x" * 3000 + b'"}'),  # 413 (HTTPException)
+]
+
+
+@pytest.mark.parametrize("path,body,raw", CASES)
+def test_the_lane_answers_like_litestars_route(client, lane_calls, path, body, raw):
+    # The same request through the lane (the exact path) and through Litestar's router (the
+    # path with a trailing slash, which Litestar normalizes and the lane does not take).
+    kwargs = {"json": body} if raw is None else {"content": raw}
+    headers = {"x-request-id": "same-id"}
+    fast = client.post(path, headers=headers, **kwargs)
+    assert lane_calls == [{"/v1/chat/completions": "chat", "/v1/completions": "completions"}[path]]
+    slow = client.post(path + "/", headers=headers, **kwargs)
+    assert len(lane_calls) == 1
+    assert (fast.status_code, fast.content) == (slow.status_code, slow.content)
+    for name in ("content-type", "x-request-id", "allow"):
+        assert fast.headers.get(name) == slow.headers.get(name)
+
+
+def test_the_lane_leaves_other_methods_and_paths_to_litestar(client, lane_calls):
+    assert client.get("/v1/chat/completions").status_code == 405
+    assert client.options("/v1/completions").status_code == 204
+    assert client.get("/health").status_code == 200
+    assert client.post("/v1/chat/completion", json=MSG).status_code == 404
+    assert lane_calls == []
+
+
+def test_the_lane_answers_an_unexpected_error_with_the_500_envelope(lane_calls):
+    class Broken(Echo):
+        async def chat(self, request, params):
+            raise RuntimeError("secret detail /etc/shadow")
+
+    class BrokenPlugin:
+        __name__ = "broken"
+
+        @hookimpl
+        def register_backends(self, register):
+            register("echo", Broken)
+
+    plugins = load_plugins(entrypoints=False, extra=[BrokenPlugin()])
+    with TestClient(create_app(parse_config(OPEN, plugins.backends), plugins), raise_server_exceptions=False) as c:
+        r = c.post("/v1/chat/completions", json=MSG)
+    assert lane_calls == ["chat"]
+    assert r.status_code == 500 and "shadow" not in r.text
+    assert r.json()["error"] == {"message": "Internal server error.", "type": "server_error", "param": None, "code": None}

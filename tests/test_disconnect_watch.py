@@ -185,3 +185,136 @@ def test_client_gone_between_blocks_the_next_one_does_not_run() -> None:
         task = asyncio.current_task()
         assert task is not None and task.cancelling() == 0
     asyncio.run(main())
+
+
+# --- under uvicorn: the connection's flag, polled, instead of a watcher task -------------------
+
+
+class RequestResponseCycle:
+    """Stands in for uvicorn's request cycle: a ``disconnected`` flag the server sets."""
+
+    __module__ = "uvicorn.protocols.http.fake_impl"
+
+    def __init__(self) -> None:
+        self.disconnected = False
+
+    async def receive(self) -> dict:
+        raise AssertionError("a polled watch never calls receive")
+
+
+def _poll():
+    from router.responses import _DisconnectPoll
+
+    return _DisconnectPoll.of(asyncio.get_running_loop())
+
+
+def test_polled_leaving_cancels_the_work_within_the_interval_without_a_task() -> None:
+    from router.responses import POLL_INTERVAL
+
+    async def main() -> None:
+        cycle = RequestResponseCycle()
+        watch = DisconnectWatch(cycle.receive)
+        before = len(asyncio.all_tasks())
+        assert await unless_disconnected(watch, asyncio.sleep(0, "queued")) == "queued"
+        assert len(asyncio.all_tasks()) == before and not _poll().watches
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, setattr, cycle, "disconnected", True)
+        started = loop.time()
+        with pytest.raises(ClientGone):
+            await unless_disconnected(watch, asyncio.sleep(10))
+        assert loop.time() - started < 0.01 + POLL_INTERVAL + 0.2
+        assert watch.gone and asyncio.current_task().cancelling() == 0
+        assert not _poll().watches
+        with pytest.raises(ClientGone):  # a later block does not run
+            await unless_disconnected(watch, asyncio.sleep(0))
+    asyncio.run(main())
+
+
+def test_polled_leaving_after_the_block_or_before_it() -> None:
+    async def main() -> None:
+        cycle = RequestResponseCycle()
+        with DisconnectWatch(cycle.receive) as watch:
+            await asyncio.sleep(0)
+        cycle.disconnected = True
+        await asyncio.sleep(0.05)
+        assert not watch.gone and asyncio.current_task().cancelling() == 0
+        ran = []
+
+        async def instant() -> None:
+            ran.append("work")
+
+        with pytest.raises(ClientGone):
+            await unless_disconnected(DisconnectWatch(cycle.receive), instant())
+        assert ran == []
+    asyncio.run(main())
+
+
+def test_polled_other_cancellation_passes_through_and_the_timer_stops() -> None:
+    async def main() -> None:
+        cycle = RequestResponseCycle()
+
+        async def request() -> None:
+            with DisconnectWatch(cycle.receive):
+                await asyncio.sleep(10)
+
+        task = asyncio.ensure_future(request())
+        await asyncio.sleep(0.05)
+        assert len(_poll().watches) == 1 and _poll()._timer is not None
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not _poll().watches
+        await asyncio.sleep(0.05)
+        assert _poll()._timer is None  # nothing open: no more looks
+    asyncio.run(main())
+
+
+def test_under_a_real_uvicorn_server_the_watch_polls_and_sees_the_client_leave() -> None:
+    import socket
+
+    import uvicorn
+
+    seen: dict = {}
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] != "http":
+            return
+        await receive()  # the (empty) body
+        watch = DisconnectWatch(receive)
+        seen["polled"] = watch._cycle is not None
+        tasks = len(asyncio.all_tasks())
+
+        async def work() -> None:
+            await asyncio.sleep(0.05)
+            seen["tasks_added"] = len(asyncio.all_tasks()) - tasks  # a watcher task would count
+            await asyncio.sleep(10)
+
+        try:
+            await unless_disconnected(watch, work())
+        except ClientGone:
+            seen["gone"] = asyncio.get_running_loop().time()
+
+    async def main() -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        left = asyncio.get_running_loop().time()
+        writer.close()
+        for _ in range(100):
+            if "gone" in seen:
+                break
+            await asyncio.sleep(0.01)
+        server.should_exit = True
+        await serving
+        assert seen["polled"] and seen["tasks_added"] == 0
+        assert "gone" in seen and seen["gone"] - left < 0.5
+
+    asyncio.run(main())

@@ -50,16 +50,24 @@ class Counter(Metric):
 
     def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()) -> None:
         super().__init__(name, help, labels)
-        self.values: dict[tuple[str, ...], float] = {}
+        # One-element lists, so that a caller can keep a series' cell (:class:`ModelSeries`).
+        self.values: dict[tuple[str, ...], list[float]] = {}
+
+    def cell(self, labels: tuple[str, ...]) -> list[float]:
+        cell = self.values.get(labels)
+        if cell is None:
+            cell = self.values[labels] = [0.0]
+        return cell
 
     def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + amount
+        self.cell(labels)[0] += amount
 
     def get(self, labels: tuple[str, ...]) -> float:
-        return self.values.get(labels, 0.0)
+        cell = self.values.get(labels)
+        return cell[0] if cell else 0.0
 
     def render(self) -> list[str]:
-        return [f"{self.name}{_labels(self.label_names, k)} {_num(v)}" for k, v in sorted(self.values.items())]
+        return [f"{self.name}{_labels(self.label_names, k)} {_num(v[0])}" for k, v in sorted(self.values.items())]
 
 
 class Gauge(Metric):
@@ -83,15 +91,15 @@ class Histogram(Metric):
         self.buckets = buckets
         self.series: dict[tuple[str, ...], list] = {}  # labels -> [bucket counts..., sum, count]
 
-    def observe(self, labels: tuple[str, ...], value: float) -> None:
+    def cells(self, labels: tuple[str, ...]) -> list:
+        """The series for ``labels``: ``[bucket counts..., sum, count]``, kept by callers."""
         s = self.series.get(labels)
         if s is None:
             s = self.series[labels] = [0] * len(self.buckets) + [0.0, 0]
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.buckets):
-            s[i] += 1
-        s[-2] += value
-        s[-1] += 1
+        return s
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        observe(self.buckets, self.cells(labels), value)
 
     def count(self, labels: tuple[str, ...]) -> int:
         s = self.series.get(labels)
@@ -110,6 +118,15 @@ class Histogram(Metric):
             out.append(f"{self.name}_sum{_labels(self.label_names, k)} {_num(s[-2])}")
             out.append(f"{self.name}_count{_labels(self.label_names, k)} {s[-1]}")
         return out
+
+
+def observe(buckets: tuple[float, ...], series: list, value: float) -> None:
+    """One observation into a histogram series (see :meth:`Histogram.cells`)."""
+    i = bisect.bisect_left(buckets, value)
+    if i < len(buckets):
+        series[i] += 1
+    series[-2] += value
+    series[-1] += 1
 
 
 class Registry:
@@ -159,5 +176,50 @@ class RouterMetrics:
             labels = MB + (("deployment",) if name.startswith("router:remote") else ())
             r.add(Gauge(name, help, labels, lambda name=name: gauges(name)))
 
+        self._series: dict[tuple[str, str], ModelSeries] = {}
+
+    def series(self, model: str, backend: str) -> "ModelSeries":
+        """Every series of one (model, backend) that a request touches, looked up once."""
+        key = (model, backend)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = ModelSeries(self, key)
+        return found
+
     def render(self) -> str:
         return self.registry.render()
+
+
+class ModelSeries:
+    """The cells of one (model, backend)'s series: a finished request updates them in place
+    instead of looking up ten label tuples (a tenth of the router's own time per relayed
+    request went to the metrics)."""
+
+    __slots__ = ("labels", "_metrics", "_status", "_reason", "prompt_tokens", "generation_tokens",
+                 "cached_tokens", "ttft", "itl", "e2e", "prompt_hist", "generation_hist")
+
+    def __init__(self, m: RouterMetrics, labels: tuple[str, str]) -> None:
+        self.labels = labels
+        self._metrics = m
+        self._status: dict[int, list[float]] = {}
+        self._reason: dict[str, list[float]] = {}
+        self.prompt_tokens = m.prompt_tokens.cell(labels)
+        self.generation_tokens = m.generation_tokens.cell(labels)
+        self.cached_tokens = m.cached_tokens.cell(labels)
+        self.ttft = m.ttft.cells(labels)
+        self.itl = m.itl.cells(labels)
+        self.e2e = m.e2e.cells(labels)
+        self.prompt_hist = m.prompt_hist.cells(labels)
+        self.generation_hist = m.generation_hist.cells(labels)
+
+    def request(self, status: int) -> None:
+        cell = self._status.get(status)
+        if cell is None:
+            cell = self._status[status] = self._metrics.requests.cell(self.labels + (str(status),))
+        cell[0] += 1
+
+    def success(self, reason: str) -> None:
+        cell = self._reason.get(reason)
+        if cell is None:
+            cell = self._reason[reason] = self._metrics.success.cell(self.labels + (reason,))
+        cell[0] += 1

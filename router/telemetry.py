@@ -15,8 +15,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, observe
+
 if TYPE_CHECKING:
-    from .metrics import RouterMetrics
+    from .metrics import ModelSeries, RouterMetrics
 
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 log = logging.getLogger("router.request")
@@ -58,9 +60,17 @@ class RequestRecord:
     content: list[str] = field(default_factory=list)
     closed: bool = False
 
+    _series: "ModelSeries | None" = field(default=None, init=False, repr=False)
+
     @property
-    def labels(self) -> tuple[str, str]:
-        return (self.model, self.backend)
+    def series(self) -> "ModelSeries":
+        """The metrics series of this request's model. A model name no backend serves is
+        counted as ``-``: names a client makes up must not add series without end."""
+        found = self._series
+        if found is None:
+            labels = (self.model, self.backend) if self.backend != "-" else ("-", "-")
+            found = self._series = self.metrics.series(*labels)
+        return found
 
     def event(self, text: str = "") -> None:
         """Something reached (or was ready for) the client: the first token, or one more."""
@@ -68,7 +78,7 @@ class RequestRecord:
         if self.first_event is None:
             self.first_event = now
         else:
-            self.metrics.itl.observe(self.labels, now - self.last_event)  # type: ignore[operator]
+            observe(LATENCY_BUCKETS, self.series.itl, now - self.last_event)  # type: ignore[operator]
         self.last_event = now
         if self.log_content and text:
             self.content.append(text)
@@ -85,20 +95,20 @@ class RequestRecord:
         if self.closed:
             return
         self.closed = True
-        m, labels = self.metrics, self.labels
+        s = self.series
         duration = time.monotonic() - self.start
-        m.requests.inc(labels + (str(status),))
+        s.request(status)
         if status == 200:
             for reason in self.finish_reasons or ["unknown"]:
-                m.success.inc(labels + (reason,))
-            m.prompt_tokens.inc(labels, self.prompt_tokens)
-            m.generation_tokens.inc(labels, self.completion_tokens)
-            m.cached_tokens.inc(labels, self.cached_tokens)
-            m.prompt_hist.observe(labels, self.prompt_tokens)
-            m.generation_hist.observe(labels, self.completion_tokens)
-            m.e2e.observe(labels, duration)
+                s.success(reason)
+            s.prompt_tokens[0] += self.prompt_tokens
+            s.generation_tokens[0] += self.completion_tokens
+            s.cached_tokens[0] += self.cached_tokens
+            observe(TOKEN_BUCKETS, s.prompt_hist, self.prompt_tokens)
+            observe(TOKEN_BUCKETS, s.generation_hist, self.completion_tokens)
+            observe(LATENCY_BUCKETS, s.e2e, duration)
             if self.first_event is not None:
-                m.ttft.observe(labels, self.first_event - self.start)
+                observe(LATENCY_BUCKETS, s.ttft, self.first_event - self.start)
         if not log.isEnabledFor(logging.INFO):
             return
         ttft = f"{(self.first_event - self.start) * 1000:.1f}" if self.first_event else "-"

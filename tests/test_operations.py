@@ -158,6 +158,15 @@ def test_metrics_count_what_happened(ops):
     assert count(after, f'router:request_success_total{{{labels},finished_reason="length"}}') >= 3
     assert "router:time_to_first_token_seconds_bucket" in after and "router:inter_token_latency_seconds_count" in after
     assert re.search(rf"router:num_requests_running{{{re.escape(labels)}}} 0", after)
+    e2e = f"router:e2e_request_latency_seconds_count{{{labels}}}"
+    assert count(after, e2e) - count(before, e2e) == 3
+    # Made-up model names count as one series, not one each.
+    for name in ("made-up-1", "made-up-2"):
+        assert chat(ops, {"model": name, "messages": MSG}).status_code == 404
+    final = httpx.get(f"{ops.url}/metrics", headers=auth()).text
+    assert "made-up" not in final
+    unknown = 'router:requests_total{model="-",backend="-",status="404"}'
+    assert count(final, unknown) - count(after, unknown) == 2
 
 
 def test_sigterm_lets_running_streams_finish_then_exits_zero(tmp_path):

@@ -162,3 +162,26 @@ def test_capture_needs_cuda_and_the_scratch_block_must_exist(tmp_path):
                          scratch_block=engine.kv.num_blocks, capture=False)
     finally:
         run(engine.stop())
+
+
+def test_a_shape_that_will_not_capture_runs_eagerly_from_then_on(tmp_path, caplog):
+    folder = tiny_checkpoint(tmp_path / "llama", "llama")
+    engine = static_engine(folder, block_size=4)
+    graphs = engine.runner.graphs
+    attempts = []
+
+    def broken(batch, blocks):
+        attempts.append((batch, blocks))
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    graphs.capture = True  # as on CUDA, with a capture that always fails
+    graphs._capture = broken
+    try:
+        outs = run(generate(engine, [5, 6, 7], 12))[0]
+        graphs.capture, engine.runner.graphs = False, None
+        assert outs == run(generate(engine, [5, 6, 7], 12))[0]  # the eager path gave the same
+    finally:
+        run(engine.stop())
+    assert attempts and len(attempts) == len(set(attempts))  # each shape tried once, not every step
+    assert set(attempts) == graphs.failed
+    assert "not captured, runs eagerly" in caplog.text

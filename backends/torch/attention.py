@@ -67,14 +67,19 @@ def paged_attention(
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     n, context = meta.decode_slots.shape
-    heads = k_cache.shape[1:]
+    kv_heads, dim = k_cache.shape[1:]
     idx = meta.decode_slots.reshape(-1)
-    keys = k_cache.index_select(0, idx).view(n, context, *heads).transpose(1, 2)
-    values = v_cache.index_select(0, idx).view(n, context, *heads).transpose(1, 2)
+    keys = k_cache.index_select(0, idx).view(n, context, kv_heads, dim).transpose(1, 2)
+    values = v_cache.index_select(0, idx).view(n, context, kv_heads, dim).transpose(1, 2)
+    # The query heads that share a KV head (heads j*g .. j*g+g-1 use KV head j) stand in for
+    # that head's query positions: equal head counts, so every SDPA backend takes it (on CUDA
+    # the memory-efficient kernel, which refuses enable_gqa in many torch versions), and one
+    # [n, 1, 1, context] mask covers them all.
+    group = q.shape[1] // kv_heads
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        q.reshape(n, kv_heads, group, dim), keys, values, attn_mask=meta.decode_mask, scale=scale
     )
-    return out.squeeze(2)
+    return out.reshape(n, kv_heads * group, dim)
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:

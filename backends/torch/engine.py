@@ -93,6 +93,9 @@ class TorchEngine:
         self.capabilities = LOCAL_ENGINE_CAPABILITIES
         if options.num_threads and options.device.type == "cpu":
             torch.set_num_threads(options.num_threads)
+        if options.device.type == "cuda":
+            # Streams, graph captures and synchronizations of this thread use the current device.
+            torch.cuda.set_device(options.device)
         per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype)
         num_blocks = max(1, options.kv_cache_bytes // per_block)
         graphs = options.decode_graphs != "off"
@@ -139,6 +142,8 @@ class TorchEngine:
                 scratch_block=num_blocks - 1,
                 capture=options.decode_graphs == "capture",
             )
+            if decode_graphs.capture:
+                decode_graphs.capture_all()
         self.runner = ModelRunner(
             self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids,
             decoder=decoder, graphs=decode_graphs,

@@ -11,13 +11,19 @@ is run on static buffers, padded up to a captured shape:
   ones past its length.
 
 Padding rows decode token 0 at position 0 and write their key and value into a *scratch block*
-that the block pool never hands out; each attends to that one slot, so no row is fully masked
-(which would give NaN). Real rows' block tables are padded with the scratch block too, masked
-out by their lengths. Their logits are discarded.
+that the block pool never hands out; each attends to one key only, so no row is fully masked
+(which would give NaN). Table entries past a row's length (the scratch block, or a block id left
+from an earlier step) are hidden by the mask. Padding rows' logits are discarded.
 
-Graphs are captured lazily, the first time a shape is needed, into one shared memory pool, and
-kept (at most ``len(batch buckets) x len(block buckets)`` of them). Steps that prefill, exceed
-the largest bucket or would gather more than ``max_gather`` key positions run eagerly.
+All graphs are captured when the engine starts (:meth:`DecodeGraphs.capture_all`: one per batch
+bucket and block bucket within the gather budget), into one shared memory pool, and each writes
+its logits into one shared output buffer. Capturing at start-up keeps its costs (a warm-up run
+and a capture per shape) out of serving and shows a lack of memory at load time. A shape whose
+capture fails runs eagerly from then on, as do steps that prefill, exceed the largest bucket or
+would gather more than :data:`GATHER_BYTES` of keys and values per layer.
+
+Captures are serialized process-wide and use ``thread_local`` error mode on the engine's own
+stream and device, so another engine loading weights on another thread does not break them.
 
 With ``capture=False`` the same static path runs eagerly every step: how the padding, masks and
 scratch writes are tested on a machine without a GPU (a captured graph replays exactly the
@@ -26,6 +32,8 @@ kernels this path launches).
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 import torch
@@ -35,7 +43,10 @@ from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import Step
 
-MAX_GATHER = 1 << 20  # key positions gathered per layer in one graph (batch x context)
+GATHER_BYTES = 512 << 20  # keys and values one layer's attention gathers, at most, in a graph
+
+log = logging.getLogger("router.torch")
+_capturing = threading.Lock()  # one CUDA graph capture at a time in the process
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -75,7 +86,7 @@ class DecodeGraphs:
         max_blocks: int,
         scratch_block: int,
         capture: bool,
-        max_gather: int = MAX_GATHER,
+        max_gather: int | None = None,
     ) -> None:
         if not 0 <= scratch_block < kv.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is outside the KV cache ({kv.num_blocks} blocks)")
@@ -84,8 +95,12 @@ class DecodeGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
         self.kv = kv
+        self.device = device
         self.capture = capture
-        self.max_gather = max_gather
+        k = kv.k[0]
+        per_position = 2 * k.shape[1] * k.shape[2] * k.element_size()  # a key and a value
+        # Key positions one graph may gather per layer (batch x context).
+        self.max_gather = max_gather if max_gather is not None else GATHER_BYTES // per_position
         self.batches = batch_buckets(max_batch)
         self.blocks = block_buckets(max_blocks)
         self.window = model.spec.sliding_window
@@ -102,8 +117,28 @@ class DecodeGraphs:
         self.rows = torch.arange(max_batch, **long)
         self.offsets = torch.arange(bs, **long)
         self.key_positions = torch.arange(max_blocks * bs, **long)
-        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.logits_out = (
+            torch.empty(max_batch, model.spec.vocab_size, dtype=k.dtype, device=device) if capture else None
+        )
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.failed: set[tuple[int, int]] = set()  # shapes whose capture failed: eager
         self._pool: Any = None
+        self._stream = torch.cuda.Stream(device) if capture else None
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (batch, blocks) bucket within the gather budget."""
+        bs = self.kv.block_size
+        return [(b, k) for b in self.batches for k in self.blocks if b * k * bs <= self.max_gather]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture a graph for every shape (the static buffers hold padding: each capture's
+        warm-up run writes only the scratch block)."""
+        torch.cuda.synchronize(self.device)
+        # Largest first: the smaller graphs then find the pool's memory already there.
+        for shape in sorted(self.shapes(), key=lambda bk: bk[0] * bk[1], reverse=True):
+            self._captured(shape)
+        log.info("captured %d decode graphs (%d failed)", len(self.graphs), len(self.failed))
 
     def shape(self, step: Step) -> tuple[int, int] | None:
         """The (batch, blocks) bucket ``step`` runs in, or None when it must run eagerly."""
@@ -114,28 +149,45 @@ class DecodeGraphs:
         blocks = _bucket(self.blocks, max(len(w.seq.block_table) for w in work))
         if batch is None or blocks is None or batch * blocks * self.kv.block_size > self.max_gather:
             return None
+        if (batch, blocks) in self.failed:
+            return None
         return batch, blocks
 
     @torch.inference_mode()
-    def logits(self, step: Step, shape: tuple[int, int]) -> torch.Tensor:
-        """``[len(step.work), vocab]`` logits of a decode-only step in bucket ``shape``."""
+    def logits(self, step: Step, shape: tuple[int, int]) -> torch.Tensor | None:
+        """``[len(step.work), vocab]`` logits of a decode-only step in bucket ``shape``; None
+        when that shape's graph cannot be captured (the step then runs eagerly)."""
         batch, blocks = shape
         n = len(step.work)
-        self._fill(step, batch, blocks)
         if not self.capture:
+            self._fill(step, batch)
             return self._forward(batch, blocks)[:n]
-        entry = self.graphs.get(shape)
-        if entry is None:
-            entry = self.graphs[shape] = self._capture(batch, blocks)
-        graph, out = entry
+        graph = self._captured(shape)
+        if graph is None:
+            return None
+        self._fill(step, batch)
         graph.replay()
-        return out[:n]
+        return self.logits_out[:n]  # type: ignore[index]
 
-    def _fill(self, step: Step, batch: int, blocks: int) -> None:
+    def _captured(self, shape: tuple[int, int]) -> Any:
+        graph = self.graphs.get(shape)
+        if graph is None and shape not in self.failed:
+            try:
+                graph = self.graphs[shape] = self._capture(*shape)
+            except Exception as exc:  # noqa: BLE001 - out of memory, a kernel that will not capture
+                self.failed.add(shape)
+                log.warning("decode graph %s not captured, runs eagerly: %s: %s", shape, type(exc).__name__, exc)
+        return graph
+
+    def _fill(self, step: Step, batch: int) -> None:
+        """Copy a step's inputs into the static buffers. Only the real rows' tables, as wide as
+        the widest: table entries past a row's length, and padding rows' tables, may hold any
+        block id (initially the scratch block), because the mask hides them."""
         bs = self.kv.block_size
         n = len(step.work)
         scratch = self.scratch_block
         ids, positions, slots, lengths, tables = [], [], [], [], []
+        width = max(len(w.seq.block_table) for w in step.work)
         for w in step.work:
             seq = w.seq
             p = seq.num_computed
@@ -144,9 +196,8 @@ class DecodeGraphs:
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             lengths.append(p + 1)
-            tables.append(table + [scratch] * (blocks - len(table)))
+            tables.append(table + [scratch] * (width - len(table)))
         pad = batch - n
-        tables += [[scratch] * blocks] * pad
         host = torch.tensor(
             [ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, lengths + [1] * pad],
             dtype=torch.long,
@@ -160,7 +211,7 @@ class DecodeGraphs:
         self.positions[:batch].copy_(host[1], non_blocking=True)
         self.slots[:batch].copy_(host[2], non_blocking=True)
         self.lengths[:batch].copy_(host[3], non_blocking=True)
-        self.tables[:batch, :blocks].copy_(host_tables, non_blocking=True)
+        self.tables[:n, :width].copy_(host_tables, non_blocking=True)
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The step on the static buffers: what a graph records."""
@@ -183,18 +234,30 @@ class DecodeGraphs:
         )
         return self.model(self.input_ids[:batch], self.positions[:batch], meta, self.rows[:batch])
 
-    def _capture(self, batch: int, blocks: int) -> tuple[Any, torch.Tensor]:
-        # A first run off the capture warms up whatever allocates or picks kernels lazily
-        # (cuBLAS workspaces, SDPA's backend); its cache writes are the step's own.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(batch, blocks)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # One memory pool for every graph: steps never overlap, and each step's logits are
-        # sampled before the next replay overwrites them.
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(batch, blocks)
-        self._pool = graph.pool()
-        return graph, out
+    def _capture(self, batch: int, blocks: int) -> Any:
+        def step() -> None:
+            # Every graph's logits land in one buffer: steps never overlap, and each step's
+            # logits are sampled before the next replay.
+            self.logits_out[:batch].copy_(self._forward(batch, blocks))  # type: ignore[index]
+
+        with _capturing, torch.cuda.device(self.device):
+            # A first run off the capture warms up whatever allocates or picks kernels lazily
+            # (cuBLAS workspaces, SDPA's backend).
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # capture_begin/end rather than ``torch.cuda.graph``, which also collects garbage and
+            # empties the allocator's cache before every capture: costly, times a hundred shapes.
+            # One memory pool for every graph: they never run at the same time.
+            stream.synchronize()
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    step()
+                finally:
+                    graph.capture_end()
+            self._pool = graph.pool()
+        return graph

@@ -95,12 +95,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:
         """Compute one step; advance every scheduled sequence; return the sampled tokens."""
-        shape = self.graphs.shape(step) if self.graphs is not None else None
+        logits = None
         if self.decoder is not None and self.decoder.accepts(step):
             logits = self.decoder.logits(step)
-        elif shape is not None:
-            logits = self.graphs.logits(step, shape)  # type: ignore[union-attr]
-        else:
+        elif self.graphs is not None and (shape := self.graphs.shape(step)) is not None:
+            logits = self.graphs.logits(step, shape)  # None: that shape could not be captured
+        if logits is None:
             input_ids, positions, meta, logits_rows = self.prepare(step)
             logits = self.model(input_ids, positions, meta, logits_rows)
         sampling = [w for w in step.work if w.samples]

@@ -16,6 +16,7 @@ Results go to stdout and, unless ``--no-docs``, into ``docs/benchmarks.md`` unde
 
     .venv/bin/python bench/remote.py                 # about 3 minutes
     .venv/bin/python bench/remote.py --duration 3 --no-docs
+    .venv/bin/python bench/remote.py ab --base HEAD~1   # a change, side by side with the code before it
 """
 
 from __future__ import annotations
@@ -244,6 +245,68 @@ def compare_clients(args: argparse.Namespace) -> None:
         for p in procs:
             p.terminate()
             p.wait(10)
+
+
+# --- A/B: the router at another commit, side by side -------------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def compare_commits(args: argparse.Namespace) -> None:
+    """The router at ``--base`` (a git revision, in a temporary worktree) and the working tree,
+    both in front of one canned upstream, measured in alternating wrk rounds: on a shared machine
+    whose speed drifts by tens of percent within minutes, only side-by-side medians tell a
+    change of a few percent. Reports requests/s and the router process's CPU time per request."""
+    if shutil.which("wrk") is None:
+        sys.exit("wrk is not installed: apt-get install -y wrk")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
+    base_tree = tmp / "base"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_tree), args.base],
+                   check=True, capture_output=True)
+    up_port = free_port()
+    ports = {"base": free_port(), "work": free_port()}
+    procs = []
+    try:
+        log = open(tmp / "servers.log", "wb")
+        procs.append(subprocess.Popen([sys.executable, __file__, "upstream", "--port", str(up_port)], stdout=log, stderr=log))
+        wait_http(f"http://127.0.0.1:{up_port}/health")
+        (tmp / "router.toml").write_text(ROUTER_TOML.format(port=up_port))
+        for name, tree in (("base", base_tree), ("work", ROOT)):
+            # `-m` puts the working directory first on sys.path: each router imports its own tree.
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "router.cli", "serve", "--config", str(tmp / "router.toml"),
+                 "--port", str(ports[name])], cwd=tree, stdout=log, stderr=log))
+        for port in ports.values():
+            wait_http(f"http://127.0.0.1:{port}/health")
+        pids = dict(zip(ports, (p.pid for p in procs[1:])))
+        body = {"model": "relay", "messages": [{"role": "user", "content": "Name three colours."}],
+                "max_tokens": STREAM_TOKENS, **({"stream": True} if args.kind == "stream16" else {})}
+        script = lua_script(tmp, args.kind, body)
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in ports}
+        for name, port in ports.items():
+            wrk(f"http://127.0.0.1:{port}/v1/chat/completions", script, args.c, 1)  # warm-up
+        for i in range(args.rounds):
+            order = list(ports) if i % 2 == 0 else list(reversed(ports))
+            for name in order:
+                cpu = _cpu_seconds(pids[name])
+                r = wrk(f"http://127.0.0.1:{ports[name]}/v1/chat/completions", script, args.c, args.round_seconds)
+                us = (_cpu_seconds(pids[name]) - cpu) / max(r.requests, 1) * 1e6
+                samples[name].append((r.rps, us))
+                print(f"  round {i + 1:2} {name}: {r.rps:8,.0f} req/s  {us:6.1f} us CPU/request", flush=True)
+        med = {name: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for name, v in samples.items()}
+        print(f"\n{args.kind}, c={args.c}, {args.rounds} rounds of {args.round_seconds:g} s, base = {args.base}")
+        for name, (rps, us) in med.items():
+            print(f"  {name}: median {rps:8,.0f} req/s, {us:6.1f} us of router CPU per request")
+        print(f"  work / base: requests/s x{med['work'][0] / med['base'][0]:.3f}, "
+              f"CPU per request x{med['work'][1] / med['base'][1]:.3f}")
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(10)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], capture_output=True)
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -584,6 +647,13 @@ def main() -> None:
     fl.add_argument("--port", type=int, required=True)
     sub.add_parser("clients", help="the remote backend's own HTTP client, httpx and aiohttp (if installed) "
                                    "in a minimal relay (non-streaming, c=1 and 32)")
+    ab = sub.add_parser("ab", help="the router at a git revision against the working tree, in alternating "
+                                   "wrk rounds (medians of requests/s and router CPU per request)")
+    ab.add_argument("--base", required=True, help="git revision to compare against (e.g. HEAD~3)")
+    ab.add_argument("--rounds", type=int, default=12)
+    ab.add_argument("--round-seconds", type=float, default=3)
+    ab.add_argument("--kind", choices=["json", "stream16"], default="json")
+    ab.add_argument("-c", type=int, default=32, help="concurrency (default 32)")
     cr = sub.add_parser("client-relay", help="(internal) serve a minimal relay with one client")
     cr.add_argument("--port", type=int, required=True)
     cr.add_argument("--upstream", type=int, required=True)
@@ -606,6 +676,9 @@ def main() -> None:
         return
     if args.command == "clients":
         compare_clients(args)
+        return
+    if args.command == "ab":
+        compare_commits(args)
         return
     section = run(args)
     print()

@@ -3,25 +3,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import random
 
 import pytest
 import torch
 
-from test_torch_engine import engine_for, generate, run
+from test_torch_engine import engine_for, generate_all, random_prompts, run
 from torch_models import hf_greedy, smollm2_folder, tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(length)] for length in (5, 23, 40, 11, 17)]
-
-
-async def _all(engine, prompts, n):
-    return [out for out, _ in await asyncio.gather(*(generate(engine, p, n) for p in prompts))]
 
 
 @pytest.mark.parametrize("graphs", [True, False])
@@ -31,8 +20,8 @@ def test_float32_on_cuda_matches_transformers_on_the_cpu(tmp_path, arch, graphs)
     engine = engine_for(folder, device="cuda", dtype="float32", block_size=4, max_batched_tokens=16,
                         cuda_graphs=graphs, max_num_seqs=16)
     try:
-        prompts = _prompts(1)
-        outs = run(_all(engine, prompts, 20))
+        prompts = random_prompts(1, (5, 23, 40, 11, 17))
+        outs = generate_all(engine, prompts, 20)
         for ours, p in zip(outs, prompts):
             assert ours == hf_greedy(folder, p, 20)
         if graphs:  # every shape captured at start-up, none failed
@@ -53,7 +42,7 @@ def test_smollm2_bf16_graphs_and_eager_agree():
         engine = engine_for(folder, device="cuda", cuda_graphs=graphs)
         try:
             ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-            outs = run(_all(engine, ids, 24))
+            outs = generate_all(engine, ids, 24)
             results[graphs] = outs
             assert "Paris" in engine.tokenizer.decode(outs[0])
         finally:

@@ -45,6 +45,20 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def random_prompts(seed, lengths):
+    """Prompts of random token ids (tiny random models have no text worth writing)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(length)] for length in lengths]
+
+
+def generate_all(engine, prompts, n):
+    """Every prompt at once (one continuous batch), greedy, ``n`` tokens each; the outputs."""
+    async def all_at_once():
+        return await asyncio.gather(*(generate(engine, p, n) for p in prompts))
+
+    return [out for out, _ in run(all_at_once())]
+
+
 @pytest.fixture(scope="module")
 def smol():
     engine = engine_for(smollm2_folder())
@@ -83,14 +97,8 @@ def test_tiny_random_architectures_match_transformers(tmp_path, arch):
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, block_size=4, max_batched_tokens=16)
     try:
-        rng = random.Random(1)
-        prompts = [[rng.randrange(3, 49152) for _ in range(length)] for length in (5, 23, 40, 11)]
-
-        async def all_at_once():
-            return await asyncio.gather(*(generate(engine, p, 20) for p in prompts))
-
-        batched = run(all_at_once())
-        for (ours, _), p in zip(batched, prompts):
+        prompts = random_prompts(1, (5, 23, 40, 11))
+        for ours, p in zip(generate_all(engine, prompts, 20), prompts):
             assert ours == hf_greedy(folder, p, 20)
     finally:
         run(engine.stop())

@@ -9,7 +9,6 @@ engine's ordinary path and to transformers.
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch
 from backends.torch.engine import EngineOptions, TorchEngine
 from backends.torch.graphs import DecodeGraphs, batch_buckets, block_buckets
 from backends.torch.loader import load_checkpoint
-from test_torch_engine import LENGTHS, engine_for, generate, run
+from test_torch_engine import LENGTHS, engine_for, generate, generate_all, random_prompts, run
 from torch_models import hf_greedy, smollm2_folder, tiny_checkpoint
 
 
@@ -59,14 +58,8 @@ def test_static_decode_matches_transformers_in_a_padded_batch(tmp_path, arch):
     engine = static_engine(folder, block_size=4, max_batched_tokens=16, max_num_seqs=16)
     shapes = counting(engine)
     try:
-        rng = random.Random(1)
-        prompts = [[rng.randrange(3, 49152) for _ in range(length)] for length in (5, 23, 40, 11, 17)]
-
-        async def all_at_once():
-            return await asyncio.gather(*(generate(engine, p, 20) for p in prompts))
-
-        batched = run(all_at_once())
-        for (ours, _), p in zip(batched, prompts):
+        prompts = random_prompts(1, (5, 23, 40, 11, 17))
+        for ours, p in zip(generate_all(engine, prompts, 20), prompts):
             assert ours == hf_greedy(folder, p, 20)
     finally:
         run(engine.stop())

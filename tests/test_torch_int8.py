@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
 from backends.torch import TorchConfig
 from backends.torch.setup import build_engine
-from test_torch_engine import LENGTHS, PROMPTS, engine_for, generate, run
+from test_torch_engine import LENGTHS, PROMPTS, engine_for, generate, generate_all, random_prompts, run
 from torch_models import smollm2_folder, tiny_checkpoint
 
 
@@ -33,8 +32,7 @@ def test_c_decode_steps_match_the_int8_torch_path(tmp_path, arch):
     # llama-odd: hidden 80, intermediate 200 (neither a multiple of the 32-input group), 5 heads
     # on 1 KV head, biases on every projection but the LM head.
     folder = tiny_checkpoint(tmp_path / arch, arch)
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, 49152) for _ in range(length)] for length in (5, 23, 40, 11)]
+    prompts = random_prompts(2, (5, 23, 40, 11))
     outputs = {}
     for kernels in (True, False):
         engine = engine_for(folder, weight_format="int8", block_size=4, max_batched_tokens=16)
@@ -43,11 +41,7 @@ def test_c_decode_steps_match_the_int8_torch_path(tmp_path, arch):
                 calls = counting_decoder(engine)
             else:
                 engine.runner.decoder = None  # every step through CausalLM.forward
-
-            async def all_at_once():
-                return await asyncio.gather(*(generate(engine, p, 20) for p in prompts))
-
-            outputs[kernels] = [out for out, _ in run(all_at_once())]
+            outputs[kernels] = generate_all(engine, prompts, 20)
             if kernels:
                 assert calls["n"] >= 19  # the decode steps ran in C
         finally:

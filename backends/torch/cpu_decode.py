@@ -22,7 +22,7 @@ import torch
 from .kv_cache import KVCache
 from .model import CausalLM
 from .quantize import SMALL_BATCH, Int8WeightLinear
-from .scheduler import Step
+from .scheduler import DecodeRows, Step
 
 MAX_HEAD_DIM = 1024  # the attention kernel's rotary scratch
 
@@ -95,21 +95,13 @@ class CpuDecoder:
         bs = self.kv.block_size
         work = step.work
         m = len(work)
-        ids, positions, slots, lengths, tables = [], [], [], [], []
-        width = max(len(w.seq.block_table) for w in work)
-        for w in work:
-            seq = w.seq
-            p = seq.num_computed
-            table = seq.block_table
-            ids.append(seq.tokens[p])
-            positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            lengths.append(p + 1)
-            tables.extend(table)
-            tables.extend([0] * (width - len(table)))
-        max_len = max(lengths)
-        pos_t, slot_t, len_t, table_t = (torch.tensor(xs, dtype=torch.long) for xs in (positions, slots, lengths, tables))
-        x = self.model.embed_tokens.weight.index_select(0, torch.tensor(ids, dtype=torch.long))  # the residual
+        rows = DecodeRows.of(work, bs, 0)
+        width = rows.width
+        max_len = max(rows.lengths)
+        pos_t, slot_t, len_t, table_t = (
+            torch.tensor(xs, dtype=torch.long) for xs in (rows.positions, rows.slots, rows.lengths, rows.tables)
+        )
+        x = self.model.embed_tokens.weight.index_select(0, torch.tensor(rows.ids, dtype=torch.long))  # the residual
         f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
         q = torch.empty(m, self._kp, dtype=torch.int16)
         dq, tmp = f32(m), f32(max(spec.hidden_size, spec.intermediate_size))

@@ -41,7 +41,7 @@ import torch
 from .attention import AttentionMetadata
 from .kv_cache import KVCache
 from .model import CausalLM
-from .scheduler import Step
+from .scheduler import DecodeRows, Step
 
 GATHER_BYTES = 512 << 20  # keys and values one layer's attention gathers, at most, in a graph
 
@@ -183,26 +183,15 @@ class DecodeGraphs:
         """Copy a step's inputs into the static buffers. Only the real rows' tables, as wide as
         the widest: table entries past a row's length, and padding rows' tables, may hold any
         block id (initially the scratch block), because the mask hides them."""
-        bs = self.kv.block_size
         n = len(step.work)
-        scratch = self.scratch_block
-        ids, positions, slots, lengths, tables = [], [], [], [], []
-        width = max(len(w.seq.block_table) for w in step.work)
-        for w in step.work:
-            seq = w.seq
-            p = seq.num_computed
-            table = seq.block_table
-            ids.append(seq.tokens[p])
-            positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            lengths.append(p + 1)
-            tables.append(table + [scratch] * (width - len(table)))
+        rows = DecodeRows.of(step.work, self.kv.block_size, self.scratch_block)
         pad = batch - n
         host = torch.tensor(
-            [ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, lengths + [1] * pad],
+            [rows.ids + [0] * pad, rows.positions + [0] * pad, rows.slots + [self.scratch_slot] * pad,
+             rows.lengths + [1] * pad],
             dtype=torch.long,
         )
-        host_tables = torch.tensor(tables, dtype=torch.long)
+        host_tables = torch.tensor(rows.tables, dtype=torch.long)
         if self.capture:
             # Staged in pinned memory the copies do not wait for the kernels already queued.
             host, host_tables = host.pin_memory(), host_tables.pin_memory()
@@ -211,7 +200,7 @@ class DecodeGraphs:
         self.positions[:batch].copy_(host[1], non_blocking=True)
         self.slots[:batch].copy_(host[2], non_blocking=True)
         self.lengths[:batch].copy_(host[3], non_blocking=True)
-        self.tables[:n, :width].copy_(host_tables, non_blocking=True)
+        self.tables[:n, : rows.width].copy_(host_tables, non_blocking=True)
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The step on the static buffers: what a graph records."""

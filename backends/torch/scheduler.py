@@ -39,6 +39,34 @@ class Step:
     work: list[Scheduled] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
+
+@dataclass(slots=True)
+class DecodeRows:
+    """The inputs of decode-only work, one row per sequence, as plain lists: its new token, the
+    token's position and cache slot, the context length after it, and the block table padded to
+    the widest (``width``) with a given block id."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    lengths: list[int]
+    tables: list[list[int]]
+    width: int
+
+    @classmethod
+    def of(cls, work: list[Scheduled], block_size: int, pad_block: int) -> "DecodeRows":
+        rows = cls([], [], [], [], [], max(len(w.seq.block_table) for w in work))
+        for w in work:
+            seq = w.seq
+            p = seq.num_computed
+            table = seq.block_table
+            rows.ids.append(seq.tokens[p])
+            rows.positions.append(p)
+            rows.slots.append(table[p // block_size] * block_size + p % block_size)
+            rows.lengths.append(p + 1)
+            rows.tables.append(table + [pad_block] * (rows.width - len(table)))
+        return rows
+
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new for s in self.work)

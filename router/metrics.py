@@ -206,11 +206,12 @@ class ModelSeries:
         self.prompt_tokens = m.prompt_tokens.cell(labels)
         self.generation_tokens = m.generation_tokens.cell(labels)
         self.cached_tokens = m.cached_tokens.cell(labels)
-        self.ttft = m.ttft.cells(labels)
-        self.itl = m.itl.cells(labels)
-        self.e2e = m.e2e.cells(labels)
-        self.prompt_hist = m.prompt_hist.cells(labels)
-        self.generation_hist = m.generation_hist.cells(labels)
+        # Histograms as (buckets, cells): ``observe(*series.ttft, value)``.
+        self.ttft = (m.ttft.buckets, m.ttft.cells(labels))
+        self.itl = (m.itl.buckets, m.itl.cells(labels))
+        self.e2e = (m.e2e.buckets, m.e2e.cells(labels))
+        self.prompt_hist = (m.prompt_hist.buckets, m.prompt_hist.cells(labels))
+        self.generation_hist = (m.generation_hist.buckets, m.generation_hist.cells(labels))
 
     def request(self, status: int) -> None:
         cell = self._status.get(status)

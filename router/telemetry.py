@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, observe
+from .metrics import observe
 
 if TYPE_CHECKING:
     from .metrics import ModelSeries, RouterMetrics
@@ -78,7 +78,7 @@ class RequestRecord:
         if self.first_event is None:
             self.first_event = now
         else:
-            observe(LATENCY_BUCKETS, self.series.itl, now - self.last_event)  # type: ignore[operator]
+            observe(*self.series.itl, now - self.last_event)  # type: ignore[operator]
         self.last_event = now
         if self.log_content and text:
             self.content.append(text)
@@ -104,11 +104,11 @@ class RequestRecord:
             s.prompt_tokens[0] += self.prompt_tokens
             s.generation_tokens[0] += self.completion_tokens
             s.cached_tokens[0] += self.cached_tokens
-            observe(TOKEN_BUCKETS, s.prompt_hist, self.prompt_tokens)
-            observe(TOKEN_BUCKETS, s.generation_hist, self.completion_tokens)
-            observe(LATENCY_BUCKETS, s.e2e, duration)
+            observe(*s.prompt_hist, self.prompt_tokens)
+            observe(*s.generation_hist, self.completion_tokens)
+            observe(*s.e2e, duration)
             if self.first_event is not None:
-                observe(LATENCY_BUCKETS, s.ttft, self.first_event - self.start)
+                observe(*s.ttft, self.first_event - self.start)
         if not log.isEnabledFor(logging.INFO):
             return
         ttft = f"{(self.first_event - self.start) * 1000:.1f}" if self.first_event else "-"

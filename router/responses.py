@@ -152,7 +152,7 @@ class DisconnectWatch:
     request pauses uvicorn's reading; a disconnect is then noticed only when the response ends,
     as the work completes.)"""
 
-    __slots__ = ("gone", "_receive", "_caller", "_watching", "_left", "_cycle")
+    __slots__ = ("gone", "_receive", "_caller", "_watching", "_left", "_cycle", "_poll")
 
     def __init__(self, receive: Callable[[], Awaitable[Any]]) -> None:
         self.gone = False
@@ -162,6 +162,7 @@ class DisconnectWatch:
         self._left = False  # receive said http.disconnect
         cycle = getattr(receive, "__self__", None)
         self._cycle = cycle if _pollable(type(cycle)) else None
+        self._poll: _DisconnectPoll | None = None  # the one this watch's open block is in
 
     async def _watch(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
@@ -189,7 +190,8 @@ class DisconnectWatch:
             raise ClientGone()
         self._caller = caller
         if cycle is not None:
-            _DisconnectPoll.of(caller.get_loop()).add(self)
+            self._poll = _DisconnectPoll.of(caller.get_loop())
+            self._poll.add(self)
         elif not self._watching:
             self._watching = True
             # No reference kept: the server's pending receive keeps the watcher alive until it ends.
@@ -198,8 +200,9 @@ class DisconnectWatch:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         caller, self._caller = self._caller, None  # outside a block a disconnect cancels nothing
-        if self._cycle is not None and caller is not None:
-            _DisconnectPoll.of(caller.get_loop()).watches.discard(self)
+        poll, self._poll = self._poll, None
+        if poll is not None:
+            poll.watches.discard(self)
         if self.gone and kind is not None and issubclass(kind, asyncio.CancelledError):
             assert caller is not None
             caller.uncancel()

@@ -127,8 +127,10 @@ class DecodeGraphs:
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (batch, blocks) bucket within the gather budget."""
-        bs = self.kv.block_size
-        return [(b, k) for b in self.batches for k in self.blocks if b * k * bs <= self.max_gather]
+        return [(b, k) for b in self.batches for k in self.blocks if self._within_budget(b, k)]
+
+    def _within_budget(self, batch: int, blocks: int) -> bool:
+        return batch * blocks * self.kv.block_size <= self.max_gather
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -147,7 +149,7 @@ class DecodeGraphs:
             return None
         batch = _bucket(self.batches, len(work))
         blocks = _bucket(self.blocks, max(len(w.seq.block_table) for w in work))
-        if batch is None or blocks is None or batch * blocks * self.kv.block_size > self.max_gather:
+        if batch is None or blocks is None or not self._within_budget(batch, blocks):
             return None
         if (batch, blocks) in self.failed:
             return None

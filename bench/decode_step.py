@@ -5,7 +5,7 @@ greedy generation and a 1-token one from the same prompt; the difference over 10
 step plus the engine loop's own work (sampling, posting the token). Medians of ``--repeats``.
 
     .venv/bin/python bench/decode_step.py
-    .venv/bin/python bench/decode_step.py --formats int8 --repeats 5
+    .venv/bin/python bench/decode_step.py --formats int8,int4 --repeats 5
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def per_token_ms(weight_format: str, repeats: int) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--formats", default="native,fp16,int8", help="weight formats (default: native,fp16,int8)")
+    p.add_argument("--formats", default="native,fp16,int8,int4", help="weight formats (default: native,fp16,int8,int4)")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     print(f"{'format':<8} {'ms/token median':>16} {'runs':>24}")

@@ -1,4 +1,4 @@
-"""The torch engine's C kernels (int8 weight format) against plain torch references."""
+"""The torch engine's C kernels (int8 and int4 weight formats) against plain torch references."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from backends.torch import native
 from backends.torch.attention import decode_mask
 from backends.torch.model import ModelSpec, Rotary, apply_rotary
-from backends.torch.quantize import Int8WeightLinear, dequantize_int8, quantize_int8
+from backends.torch.quantize import PackedLinear, pack_int4_weights, pack_weight, unpack_weight
 
 
 BUILDS = ["native"] + (["portable"] if platform.machine() in ("x86_64", "AMD64") else [])
@@ -31,14 +31,14 @@ def k(request, tmp_path_factory):
     return built
 
 
-def linear_with(k, lin: Int8WeightLinear, x: torch.Tensor, out: torch.Tensor | None = None, accumulate=False):
+def linear_with(k, lin: PackedLinear, x: torch.Tensor, out: torch.Tensor | None = None, accumulate=False):
     """``lin``'s packed weights through the library ``k`` (its rows quantized by ``k`` too)."""
     q, dq = int16_rows(k, x, lin.padded_in_features)
     out = torch.empty(x.shape[0], lin.out_features) if out is None else out
     xsum = torch.empty(x.shape[0] * lin.padded_in_features // lin.group)
     weight, bias = lin.pointers
-    k.int8_linear(
-        q.data_ptr(), dq.data_ptr(), x.shape[0], lin.padded_in_features, weight, lin.group, bias,
+    k.linear(
+        q.data_ptr(), dq.data_ptr(), x.shape[0], lin.padded_in_features, weight, lin.group, lin.bits, bias,
         lin.out_features, out.data_ptr(), out.stride(0), int(accumulate), xsum.data_ptr(),
     )
     return out
@@ -107,63 +107,105 @@ def test_a_zero_row_quantizes_to_zeros(k):
     assert q.eq(0).all() and dq.eq(1.0).all()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n,kin", [(4, 32), (5, 40), (576, 576), (30, 1536), (3, 7)])
-def test_int8_packing_round_trips_within_half_a_step(n, kin):
+def test_packing_round_trips_within_half_a_step(n, kin, bits):
     torch.manual_seed(1)
     w = torch.randn(n, kin) * torch.rand(n, 1) * 3 + torch.rand(n, 1)
-    packed = quantize_int8(w, 32)
+    packed = pack_weight(w, bits, 32)
     groups = -(-kin // 32)
-    assert packed.dtype == torch.uint8 and packed.shape == (-(-n // 8), groups, 64 + 8 * 32)
-    back = dequantize_int8(packed, n, kin)
+    assert packed.dtype == torch.uint8 and packed.shape == (-(-n // 8), groups, 64 + bits * 32)
+    back = unpack_weight(packed, bits, n, kin)
     assert back.shape == w.shape
     padded = torch.zeros(n, groups * 32)
     padded[:, :kin] = w
     g = padded.view(n, groups, 32)
-    step = ((g.amax(-1) - g.amin(-1)) / 255).repeat_interleave(32, dim=1)[:, :kin]
+    step = ((g.amax(-1) - g.amin(-1)) / (2**bits - 1)).repeat_interleave(32, dim=1)[:, :kin]
     assert ((back - w).abs() <= step * 0.5 + 1e-5).all()
+    # every group's extremes are levels 0 and 2**bits - 1: the full range is used
+    if kin % 32 == 0:
+        for red in (torch.amin, torch.amax):
+            torch.testing.assert_close(red(back.view(n, groups, 32), -1), red(g, -1), rtol=0, atol=1e-5)
 
 
-def test_a_gguf_q4_1_block_is_reproduced_exactly():
-    # Q4_1: 32 weights d * q + m, q in 0..15 (every level used here), d and m float16.
-    torch.manual_seed(2)
-    d = torch.rand(8, 4, 1).half().float() * 0.1
-    m = -torch.rand(8, 4, 1).half().float()
-    q = torch.randint(0, 16, (8, 4, 32)).float()
-    q[..., 0], q[..., 1] = 0, 15
-    w = (d * q + m).view(8, 128)
-    back = dequantize_int8(quantize_int8(w, 32), 8, 128)
-    torch.testing.assert_close(back, w, rtol=0, atol=1e-6)
+def gguf_blocks(kind: str, levels: range, seed: int, rows: int = 16, groups: int = 4) -> torch.Tensor:
+    """Weights as a GGUF file dequantizes them: per 32, float16 ``d`` (and ``m``) and integer ``q``,
+    with the levels each quantizer gives a block's extremes (Q4_1: 0 and 15, Q4_0: -8, Q8_0: +-127)."""
+    torch.manual_seed(seed)
+    d = (torch.rand(rows, groups, 1) * 0.1 + 1e-3).half().float()
+    q = torch.randint(levels.start, levels.stop, (rows, groups, 32)).float()
+    if kind == "Q4_1":
+        q[..., 0], q[..., 1] = 0, 15
+        m = -torch.rand(rows, groups, 1).half().float()
+        return (d * q + m).view(rows, groups * 32)
+    if kind == "Q4_0":
+        q[..., 0] = -8
+    elif kind == "Q8_0":
+        q[..., 0] = 127 * (torch.randint(0, 2, (rows, groups)) * 2 - 1)
+    return (d * q).view(rows, groups * 32)
 
 
-def reference_linear(k, lin: Int8WeightLinear, x: torch.Tensor) -> torch.Tensor:
+@pytest.mark.parametrize(
+    "kind,bits,levels",
+    [
+        ("Q4_1", 4, range(0, 16)),
+        ("Q4_1", 8, range(0, 16)),
+        ("Q4_0", 4, range(-8, 8)),
+        ("Q4_0", 4, range(-8, 0)),  # blocks whose levels stop short of the top
+        ("some 4-bit grid", 4, range(2, 13)),  # neither extreme level used
+        ("Q8_0", 8, range(-127, 128)),
+        ("Q8_0", 8, range(-20, 41)),  # small weights around the one at +-127
+        ("some 8-bit grid", 8, range(-60, 61)),  # the smallest gap decides
+    ],
+)
+def test_gguf_blocks_are_reproduced_exactly(kind, bits, levels):
+    w = gguf_blocks(kind, levels, seed=bits + levels.start)
+    back = unpack_weight(pack_weight(w, bits, 32), bits, 16, 128)
+    torch.testing.assert_close(back, w, rtol=0, atol=2e-6)
+
+
+def test_float_weights_are_not_mistaken_for_a_grid():
+    # Random floats lie on no coarse grid: each group spans the format's full 15 or 255 steps.
+    torch.manual_seed(3)
+    w = torch.randn(64, 256)
+    for bits in (4, 8):
+        packed = pack_weight(w, bits, 32)
+        scale = packed[..., : 8 * 8].contiguous().view(torch.float32)[..., :8]  # [tiles, groups, channel]
+        span = w.view(8, 8, 8, 32).amax(-1) - w.view(8, 8, 8, 32).amin(-1)  # [tiles, channel, groups]
+        torch.testing.assert_close(scale, span.transpose(1, 2) / (2**bits - 1))
+
+
+def reference_linear(k, lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:
     """What the kernel must compute: the quantized rows times the dequantized weights."""
     q, dq = int16_rows(k, x, lin.padded_in_features)
-    w = dequantize_int8(lin._packed, lin.out_features, lin.in_features)
+    w = lin.weight()
     out = (q[:, : lin.in_features].double() * dq[:, None].double()) @ w.double().T
     if lin._bias is not None:
         out += lin._bias.double()
     return out.float()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
 @pytest.mark.parametrize("n,kin,bias", [(4, 32, False), (9, 48, True), (576, 576, False), (130, 1536, True), (1, 16, True)])
-def test_int8_linear_matches_its_reference(k, m, n, kin, bias):
+def test_linear_matches_its_reference(k, m, n, kin, bias, bits):
     torch.manual_seed(m * 1000 + n)
-    lin = Int8WeightLinear(torch.nn.Linear(kin, n, bias=bias))
+    lin = PackedLinear(torch.nn.Linear(kin, n, bias=bias), bits)
     x = torch.randn(m, kin)
     got = linear_with(k, lin, x)
     want = reference_linear(k, lin, x)
     assert got.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x), got, rtol=1e-5, atol=1e-5)  # the module: the engine's build
-    # And close to the float layer it replaced (the weights are 8-bit now).
-    float_out = F.linear(x, dequantize_int8(lin._packed, n, kin), lin._bias)
+    # And close to the float layer it replaced (the weights are packed now).
+    float_out = F.linear(x, lin.weight(), lin._bias)
     torch.testing.assert_close(got, float_out, rtol=1e-3, atol=1e-3)
 
 
-def test_int8_linear_accumulates_into_a_strided_output(k):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_linear_accumulates_into_a_strided_output(k, bits):
     torch.manual_seed(3)
-    lin = Int8WeightLinear(torch.nn.Linear(64, 10, bias=True))
+    lin = PackedLinear(torch.nn.Linear(64, 10, bias=True), bits)
     x = torch.randn(3, 64)
     base = torch.randn(3, 16)
     out = base.clone()
@@ -172,19 +214,29 @@ def test_int8_linear_accumulates_into_a_strided_output(k):
     assert torch.equal(out[:, :2], base[:, :2]) and torch.equal(out[:, 12:], base[:, 12:])
 
 
-def test_group_sizes_the_kernel_cannot_sum_are_refused():
+def test_group_sizes_and_widths_the_kernel_cannot_take_are_refused():
     with pytest.raises(ValueError, match="multiple of 16 from 16 to 256"):
-        quantize_int8(torch.randn(8, 512), 512)
+        pack_weight(torch.randn(8, 512), 8, 512)
     with pytest.raises(ValueError, match="multiple of 16 from 16 to 256"):
-        quantize_int8(torch.randn(8, 48), 24)
+        pack_weight(torch.randn(8, 48), 8, 24)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        pack_weight(torch.randn(8, 32), 2)
 
 
-def test_large_batches_use_the_same_int8_values():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_large_batches_use_the_same_packed_values(bits):
     torch.manual_seed(4)
-    lin = Int8WeightLinear(torch.nn.Linear(96, 40, bias=True))
-    x = torch.randn(20, 96)  # above SMALL_BATCH: the fp16 copy of the int8 weights
-    w = dequantize_int8(lin._packed, 40, 96)
-    torch.testing.assert_close(lin(x), F.linear(x, w, lin._bias), rtol=2e-3, atol=2e-3)
+    lin = PackedLinear(torch.nn.Linear(96, 40, bias=True), bits)
+    x = torch.randn(20, 96)  # above SMALL_BATCH: the fp16 copy of the packed weights
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight(), lin._bias), rtol=2e-3, atol=2e-3)
+
+
+def test_int4_keeps_the_lm_head_at_8_bits():
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(32, 16)
+    model.lm_head = torch.nn.Linear(32, 40, bias=False)
+    pack_int4_weights(model)
+    assert (model.proj.bits, model.lm_head.bits) == (4, 8)
 
 
 @pytest.mark.parametrize("m,n", [(1, 64), (3, 576), (2, 37)])

@@ -11,7 +11,7 @@ router.toml::
     kv_cache_gb = 1.0        # KV memory budget (cuda default: kv_cache_fraction of free memory)
     max_num_seqs = 64        # sequences running at once
     max_batched_tokens = 512 # tokens per step (prefill chunks + decodes)
-    weight_format = "int8"   # CPU: "fp16" (fbgemm) or "int8" (own C kernels); default "native"
+    weight_format = "int4"   # CPU: "fp16" (fbgemm), "int8" or "int4" (own C kernels); default "native"
     cuda_graphs = true       # CUDA: decode steps replayed from captured graphs
 
 torch and transformers are imported only when a model of this backend loads.
@@ -34,12 +34,14 @@ class TorchConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
     """A Hugging Face model folder or a GGUF file (``pkg:<package>/<file>`` allowed)."""
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    weight_format: Literal["native", "fp16", "int8"] = "native"
+    weight_format: Literal["native", "fp16", "int8", "int4"] = "native"
     """CPU with float32 only. ``fp16``: projections stored in float16 and run by fbgemm's fp16
-    kernels (2-3x faster than float32 on AVX2). ``int8``: projections in int8 (one scale per 32
-    inputs) run by the engine's own C kernels at small batches, with whole decode steps in C
-    (about 2x faster than ``fp16`` at batch 1; needs a C compiler, used once). Both give output
-    close to, not identical with, float32."""
+    kernels (2-3x faster than float32 on AVX2). ``int8``: projections and LM head at 8 bits with a
+    scale and minimum per 32 inputs, run by the engine's own C kernels at small batches, with whole
+    decode steps in C (about 3x faster than ``fp16`` at batch 1; needs a C compiler, used once).
+    ``int4``: the same with the layers' projections at 4 bits (the LM head stays at 8), a further
+    fifth or so faster; it reproduces a GGUF file's Q4_0/Q4_1 (and Q8_0) blocks exactly, but is
+    a coarse rounding of float weights. All give output close to, not identical with, float32."""
     cuda_graphs: bool = True
     """CUDA only: run decode-only steps from CUDA graphs, captured the first time each padded
     shape (batch bucket x context bucket) is needed. ``false``: every step eagerly."""

@@ -1,4 +1,4 @@
-"""Decode steps of an int8 model on the CPU, in one C call.
+"""Decode steps of an int8 or int4 model on the CPU, in one C call.
 
 At batch 1 the int8 projections read the whole model in about 9 ms on 2 cores; the same step run
 as torch operations spends as long again dispatching some 3,000 small ones (norms, rotary, the
@@ -11,7 +11,7 @@ cache gather, attention, residual adds), and even one Python call per kernel (27
 
 and the final norm and LM head. The model's weights are described to C once (:class:`RkModel`);
 a step passes only its tokens' places. Every other step (prefill chunks, large batches, other
-weight formats) runs :class:`.model.CausalLM` as written. The numbers are those of the int8
+weight formats) runs :class:`.model.CausalLM` as written. The numbers are those of the packed
 format's own general path up to float rounding (tested token for token).
 """
 
@@ -21,23 +21,20 @@ import torch
 
 from .kv_cache import KVCache
 from .model import CausalLM
-from .quantize import SMALL_BATCH, Int8WeightLinear
+from .quantize import SMALL_BATCH, PackedLinear
 from .scheduler import DecodeRows, Step
 
-MAX_HEAD_DIM = 1024  # the attention kernel's rotary scratch
-
-
 class CpuDecoder:
-    """Runs pure-decode steps of ``model`` (all its linears :class:`Int8WeightLinear`)."""
+    """Runs pure-decode steps of ``model`` (all its linears :class:`~.quantize.PackedLinear`)."""
 
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         from .native import RkLayer, RkModel, kernels
 
         spec = model.spec
-        if spec.head_dim > MAX_HEAD_DIM or spec.head_dim % 2:
+        if spec.head_dim % 2:
             raise ValueError(f"head_dim {spec.head_dim} is not supported by the CPU decode kernels")
         if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
-            raise ValueError("CpuDecoder needs every projection packed as int8")
+            raise ValueError("CpuDecoder needs every projection packed (int8 or int4)")
         # C writes float32 keys and values straight into these tensors.
         for t in (*kv.k, *kv.v, model.embed_tokens.weight):
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
@@ -47,7 +44,7 @@ class CpuDecoder:
         self.kv = kv
         self.spec = spec
         self.max_rows = SMALL_BATCH
-        linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+        linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
         self._kp = max(lin.padded_in_features for lin in linears)
         # Everything C reads stays referenced here (the model holds the packed weights).
         self._keep = []
@@ -80,9 +77,12 @@ class CpuDecoder:
             window=spec.sliding_window or 0, scale=spec.head_dim**-0.5, final_eps=model.norm.eps,
             layers=layers, final_norm=f32(model.norm.weight), cos=f32(model.rotary.cos), sin=f32(model.rotary.sin),
             lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
+            bits=model.layers[0].self_attn.qkv_proj.bits, lm_head_bits=head.bits,
         )
         if any(lin.group != self._plan.group for lin in linears):
             raise ValueError("CpuDecoder needs one group size for every projection")
+        if any(lin.bits != self._plan.bits for lin in linears if lin is not head):
+            raise ValueError("CpuDecoder needs one width (8 or 4 bits) for every projection of the layers")
 
     def accepts(self, step: Step) -> bool:
         """Whether this step is decode-only and small enough for the kernels."""

@@ -45,7 +45,7 @@ class EngineOptions:
     prefix_caching: bool = True
     num_threads: int | None = None
     seed: int | None = None
-    weight_format: str = "native"  # native | fp16 | int8 (the last two: CPU, float32)
+    weight_format: str = "native"  # native | fp16 | int8 | int4 (the last three: CPU, float32)
     # Decode-only steps on static buffers (graphs.py): "capture" replays CUDA graphs; "eager"
     # runs the same padded path without capturing (how it is tested without a GPU); "off".
     decode_graphs: str = "off"
@@ -114,10 +114,10 @@ class TorchEngine:
             from .quantize import pack_fp16_weights
 
             pack_fp16_weights(self.model)
-        elif options.weight_format == "int8":
-            from .quantize import pack_int8_weights
+        elif options.weight_format in ("int8", "int4"):
+            from .quantize import pack_int4_weights, pack_int8_weights
 
-            pack_int8_weights(self.model)
+            (pack_int8_weights if options.weight_format == "int8" else pack_int4_weights)(self.model)
         self.model.rotary.to(torch.float32)  # the tables stay exact; cast per use
         self.kv = KVCache.allocate(
             spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype, options.device
@@ -126,7 +126,7 @@ class TorchEngine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_batched_tokens)
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
-        if options.weight_format == "int8":  # small decode-only steps in one C call
+        if options.weight_format in ("int8", "int4"):  # small decode-only steps in one C call
             from .cpu_decode import CpuDecoder
 
             decoder = CpuDecoder(self.model, self.kv)

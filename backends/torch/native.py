@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 5
+ABI = 6
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -55,6 +55,7 @@ class RkModel(ctypes.Structure):
         ("layers", ctypes.POINTER(RkLayer)),
         ("final_norm", _P), ("cos", _P), ("sin", _P),
         ("lm_head", _P), ("lm_head_kp", _I),
+        ("bits", ctypes.c_int), ("lm_head_bits", ctypes.c_int),
     ]
 
 
@@ -74,9 +75,9 @@ class CpuKernels:
         self.quantize_rows = lib.rk_quantize_rows
         self.quantize_rows.argtypes = [_P, _I, _I, _I, _I, _P, _P]
         self.quantize_rows.restype = None
-        self.int8_linear = lib.rk_int8_linear
-        self.int8_linear.argtypes = [_P, _P, _I, _I, _P, _I, _P, _I, _P, _I, ctypes.c_int, _P]
-        self.int8_linear.restype = None
+        self.linear = lib.rk_linear
+        self.linear.argtypes = [_P, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, ctypes.c_int, _P]
+        self.linear.restype = None
         self.rmsnorm_quantize = lib.rk_rmsnorm_quantize
         self.rmsnorm_quantize.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _P, _P]
         self.rmsnorm_quantize.restype = None
@@ -122,7 +123,7 @@ def _compiler() -> str:
         if found:
             return found
     raise NativeKernelsUnavailable(
-        'weight_format = "int8" needs a C compiler (set CC, or install gcc or clang); '
+        'weight_format = "int8" or "int4" needs a C compiler (set CC, or install gcc or clang); '
         'weight_format = "fp16" or "native" need none'
     )
 

@@ -30,94 +30,162 @@ class FP16WeightLinear(nn.Module):
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
 
-def replace_linears(model: nn.Module, pack: Callable[[nn.Linear], nn.Module]) -> None:
-    """Replace every ``nn.Linear`` of the model (projections and LM head) in place by ``pack(it)``."""
+def replace_linears(model: nn.Module, pack: Callable[[nn.Linear, str], nn.Module]) -> None:
+    """Replace every ``nn.Linear`` of the model (projections and LM head) in place by
+    ``pack(it, its attribute name)``."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, pack(child))
+                setattr(module, name, pack(child, name))
 
 
 def pack_fp16_weights(model: nn.Module) -> None:
-    replace_linears(model, FP16WeightLinear)
+    replace_linears(model, lambda linear, name: FP16WeightLinear(linear))
 
 
 GROUP = 32
-"""Inputs sharing one scale and minimum in the int8 format (a multiple of 16). 32 is the block of
-GGUF's 4- and 8-bit formats, so a Q4_1 block is reproduced exactly (bench/int8_quality.py)."""
+"""Inputs sharing one scale and minimum in the packed formats (a multiple of 16). 32 is the block of
+GGUF's 4- and 8-bit formats, so their blocks can be reproduced exactly (see :func:`pack_weight`)."""
 
 SMALL_BATCH = 8
-"""Up to this many rows a step runs the int8 kernel; above it fbgemm's fp16 GEMM, which wins once
+"""Up to this many rows a step runs the C kernel; above it fbgemm's fp16 GEMM, which wins once
 the weights are reused across many rows: the two take the same time at 8 rows, int8 is 1.6x
 faster at 1 and fp16 1.7x at 32 (bench/decode_kernels.py)."""
 
 
 TILE = 8  # output channels packed together (the kernel's TILE)
+_EXACT = 1e-3  # how far from a level (in levels) a weight may sit and still count as on the grid
 
 
-def quantize_int8(weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
-    """8 bits per weight, a float scale and minimum per ``group`` inputs, packed for ``rk_int8_linear``.
+def _grid_levels(groups: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per group, the number of steps between its smallest and largest weight on the grid its
+    weights lie on (so that they are reproduced exactly), else the format's full ``2**bits - 1``.
 
-    A weight is ``scale * u + minimum`` with ``u`` in 0..255 over its group's range; a GGUF Q4_1
-    block (``d * q + m``) whose 16 levels span its range is exact. Returns uint8
-    ``[N' / 8, K' / group, 64 + 8 * group]`` (N' and K' the output and input sizes rounded up to 8
-    and to ``group``, padded with zeros): per tile of 8 channels and group, the 8 scales and 8
-    minimums as float32, then the weights two inputs at a time, [input pair][channel][2].
+    A GGUF block is ``d * q + m`` (or ``d * q``) with integer ``q``; its weights then sit on a grid
+    of ``r = q_max - q_min`` steps over their range. Q4_1 uses all 16 levels (``r = 15``, the first
+    try); Q4_0 blocks may use fewer, Q8_0 blocks some 200 of 255. 4 bits try every ``r`` below 16;
+    8 bits try 255, Q8_0's own scale (largest magnitude / 127) and what the smallest gap between
+    two weights implies. Float weights fit none and get the full range (a rounding of at most half
+    a step).
+    """
+    full = 2**bits - 1
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    span = (high - low).clamp_min(torch.finfo(torch.float32).tiny)
+    t = (groups - low) / span  # 0..1
+
+    def fits(r: torch.Tensor) -> torch.Tensor:
+        x = t * r
+        return (x - x.round()).abs().amax(-1, keepdim=True) <= _EXACT
+
+    levels = torch.full_like(low, full)
+    todo = ~fits(levels)
+    if bits == 4:
+        tries = [torch.full_like(low, r) for r in range(full - 1, 0, -1)]
+    else:
+        # Q8_0 maps each block's largest magnitude to 127 steps; failing that, the smallest gap
+        # between two weights is usually one step, else two or three.
+        absmax = torch.maximum(low.abs(), high.abs()).clamp_min(torch.finfo(torch.float32).tiny)
+        gaps = t.sort(-1).values.diff(dim=-1)
+        smallest = gaps.masked_fill(gaps <= _EXACT / full, 2.0).amin(-1, keepdim=True)
+        tries = [(127 * span / absmax).round()] + [(j / smallest).round() for j in (1, 2, 3)]
+        tries = [r.clamp(1, full) for r in tries]
+    for r in tries:
+        if not todo.any():
+            break
+        ok = todo & fits(r)
+        levels = torch.where(ok, r, levels)
+        todo &= ~ok
+    return levels
+
+
+def pack_weight(weight: torch.Tensor, bits: int = 8, group: int | None = None) -> torch.Tensor:
+    """``bits`` (8 or 4) per weight, a float scale and minimum per ``group`` inputs, packed for
+    ``rk_linear``.
+
+    A weight is ``scale * u + minimum`` with ``u`` an integer from 0 to ``2**bits - 1``, over its
+    group's range; a group whose weights lie on a coarser grid (a GGUF Q4_0, Q4_1 or Q8_0 block)
+    keeps that grid and is reproduced exactly (:func:`_grid_levels`). Returns uint8
+    ``[N' / 8, K' / group, 64 + bits * group]`` (N' and K' the output and input sizes rounded up to
+    8 and to ``group``, padded with zeros): per tile of 8 channels and group, the 8 scales and 8
+    minimums as float32, then the weights as the kernel reads them (see ``cpu_kernels.c``).
     """
     group = group or GROUP
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 8 or 4, not {bits}")
     if group % 16 or not 16 <= group <= 256:
         raise ValueError(f"group must be a multiple of 16 from 16 to 256 (the kernel's int32 sums), not {group}")
     n, k = weight.shape
     n8, kp = -(-n // TILE) * TILE, -(-k // group) * group
     w = torch.zeros(n8, kp, dtype=torch.float32)
     w[:n, :k] = weight.detach().float()
-    groups = w.view(n8, kp // group, group)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scale = (high - low) / 255.0
-    scale[scale == 0] = 1.0
-    u = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 255).to(torch.uint8)
     tiles, ng = n8 // TILE, kp // group
+    groups = w.view(n8, ng, group)
+    scale = torch.empty(n8, ng)
+    low = groups.amin(-1)
+    u = torch.empty(n8, ng, group, dtype=torch.uint8)
+    for rows in range(0, n8, 4096):  # bounded temporaries for large matrices (the LM head)
+        part = groups[rows : rows + 4096]
+        levels = _grid_levels(part, bits)
+        span = part.amax(-1, keepdim=True) - low[rows : rows + 4096, :, None]
+        step = torch.where(span > 0, span / levels, torch.ones_like(span))
+        scale[rows : rows + 4096] = step.squeeze(-1)
+        q = ((part - low[rows : rows + 4096, :, None]) / step).round().clamp(0, 2**bits - 1)
+        u[rows : rows + 4096] = q.to(torch.uint8)
     header = torch.cat([scale.view(tiles, TILE, ng), low.view(tiles, TILE, ng)], dim=1).transpose(1, 2).contiguous()
-    body = u.view(tiles, TILE, ng, group // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, ng, TILE * group)
+    if bits == 8:  # [input pair][channel][2]
+        body = u.view(tiles, TILE, ng, group // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, ng, TILE * group)
+    else:  # [input quad][channel][2], inputs 4p + j in the low nibble, 4p + 2 + j in the high
+        quads = u.view(tiles, TILE, ng, group // 4, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [.., quad, channel, j, half]
+        body = (quads[..., 0] | (quads[..., 1] << 4)).reshape(tiles, ng, TILE * group // 2)
     return torch.cat([header.view(torch.uint8).view(tiles, ng, 8 * TILE), body], dim=-1).contiguous()
 
 
-def dequantize_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def unpack_weight(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Tensor:
     """The float weight ``[n, k]`` a pack stands for (tests, and the fp16 copy for large batches)."""
     tiles, ng, size = packed.shape
-    group = (size - 8 * TILE) // TILE
+    group = (size - 8 * TILE) * 8 // (TILE * bits)
     header = packed[..., : 8 * TILE].contiguous().view(torch.float32).view(tiles, ng, 2, TILE)
-    u = packed[..., 8 * TILE :].reshape(tiles, ng, group // 2, TILE, 2).permute(0, 3, 1, 2, 4).float()
-    u = u.reshape(tiles, TILE, ng, group)
+    body = packed[..., 8 * TILE :]
+    if bits == 8:
+        u = body.reshape(tiles, ng, group // 2, TILE, 2).permute(0, 3, 1, 2, 4)
+    else:
+        b = body.reshape(tiles, ng, group // 4, TILE, 2)
+        u = torch.stack([b & 0x0F, b >> 4], dim=-2).permute(0, 3, 1, 2, 4, 5)  # [.., channel, ng, quad, half, j]
+    u = u.float().reshape(tiles, TILE, ng, group)
     scale = header[:, :, 0].transpose(1, 2)[..., None]  # [tiles, TILE, ng, 1]
     low = header[:, :, 1].transpose(1, 2)[..., None]
     return (u * scale + low).reshape(tiles * TILE, ng * group)[:n, :k]
 
 
-class Int8WeightLinear(nn.Module):
-    """A frozen ``nn.Linear`` with 8-bit weights (``weight_format = "int8"``, CPU, float32).
+class PackedLinear(nn.Module):
+    """A frozen ``nn.Linear`` with 8- or 4-bit weights (``weight_format = "int8"`` / ``"int4"``,
+    CPU, float32).
 
     Small batches (decode steps) go through the C kernel: the activations are quantized per row to
     int16 and multiplied on integer units. Larger batches (prefill chunks, many sequences) use an
-    fbgemm fp16 copy of the same int8 values (rounded to float16, about 5e-4 relative), so both
+    fbgemm fp16 copy of the same packed values (rounded to float16, about 5e-4 relative), so both
     paths compute with one set of weights.
     """
 
-    def __init__(self, linear: nn.Linear, group: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, bits: int = 8, group: int | None = None) -> None:
         super().__init__()
         from .native import kernels
 
         self._k = kernels()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         group = group or GROUP
-        self._packed = quantize_int8(linear.weight, group)
+        self.bits = bits
+        self._packed = pack_weight(linear.weight, bits, group)
         self._group = group
         self._kp = self._packed.shape[1] * group
         self._bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
         self._bias_ptr = self._bias.data_ptr() if self._bias is not None else None
         self._w_ptr = self._packed.data_ptr()
-        exact = dequantize_int8(self._packed, self.out_features, self.in_features)
-        self._fp16 = torch.ops.quantized.linear_prepack_fp16(exact.contiguous(), self._bias)
+        self._fp16 = torch.ops.quantized.linear_prepack_fp16(self.weight().contiguous(), self._bias)
+
+    def weight(self) -> torch.Tensor:
+        """The float weight the packed values stand for."""
+        return unpack_weight(self._packed, self.bits, self.out_features, self.in_features)
 
     @property
     def group(self) -> int:
@@ -137,8 +205,8 @@ class Int8WeightLinear(nn.Module):
         """``out[:m] (+)= dequant(q) @ W.T + bias`` for int16 rows ``q [m, padded_in_features]``
         with scales ``dq [m]`` (made by the kernels' quantize functions)."""
         xsum = torch.empty(q.shape[0] * (self._kp // self._group), dtype=torch.float32)
-        self._k.int8_linear(
-            q.data_ptr(), dq.data_ptr(), q.shape[0], self._kp, self._w_ptr, self._group,
+        self._k.linear(
+            q.data_ptr(), dq.data_ptr(), q.shape[0], self._kp, self._w_ptr, self._group, self.bits,
             self._bias_ptr, self.out_features, out.data_ptr(), out.stride(0), int(accumulate), xsum.data_ptr(),
         )
 
@@ -161,4 +229,11 @@ class Int8WeightLinear(nn.Module):
 
 
 def pack_int8_weights(model: nn.Module) -> None:
-    replace_linears(model, Int8WeightLinear)
+    """``weight_format = "int8"``: every projection and the LM head at 8 bits."""
+    replace_linears(model, lambda linear, name: PackedLinear(linear, 8))
+
+
+def pack_int4_weights(model: nn.Module) -> None:
+    """``weight_format = "int4"``: the decoder's projections at 4 bits, the LM head at 8 (as GGUF
+    files keep their output and embedding tensors at higher precision)."""
+    replace_linears(model, lambda linear, name: PackedLinear(linear, 8 if name == "lm_head" else 4))

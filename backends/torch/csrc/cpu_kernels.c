@@ -1,10 +1,12 @@
-/* CPU kernels for the torch engine's int8 weight format (weight_format = "int8").
+/* CPU kernels for the torch engine's packed weight formats (weight_format = "int8" and "int4").
  *
  * At batch 1 a decode step reads every weight once, and on a small CPU the float kernels cannot
  * keep up with memory: converting each weight to float costs more than reading it. Here weights
- * are 8-bit with a float scale and minimum per group of G inputs (G a multiple of 16), activations
- * are quantized per row to int16 (32,767 levels either side of zero), and the dot products run on integer units: 16 weights widened to int16, one
- * multiply-add of pairs into int32 (vpmaddwd), one add. A group's int32 sums become float once.
+ * are 8- or 4-bit with a float scale and minimum per group of G inputs (G a multiple of 16),
+ * activations are quantized per row to int16 (32,767 levels either side of zero), and the dot
+ * products run on integer units: 16 weights widened to int16, one multiply-add of pairs into
+ * int32 (vpmaddwd), one add. A group's int32 sums become float once. 4-bit weights cost two more
+ * instructions per 32 (split the nibbles) and read 0.75 bytes a weight instead of 1.25.
  *
  * A tile's weights, scales and minimums follow each other in one sequential stream per thread
  * (rows read side by side at their own addresses defeated the hardware prefetcher: 3 against 14 G
@@ -30,7 +32,7 @@
 #define RK_AVX2 1
 #endif
 
-int rk_abi(void) { return 5; }
+int rk_abi(void) { return 6; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -48,18 +50,59 @@ int rk_simd(void) {
 #endif
 }
 
-/* One row (K floats) to int16 in q (Kp >= K entries, tail zero); returns the row's scale. */
+/* One row (K floats) to int16 in q (Kp >= K entries, tail zero); returns the row's scale. The
+ * vector and scalar loops compute the same values (x * inv rounded to nearest even). */
 static float quantize_row(const float *x, int64_t K, int64_t Kp, int16_t *q) {
+    int64_t k = 0;
     float mx = 0.f;
-    for (int64_t k = 0; k < K; k++) {
+#ifdef RK_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 vmx = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) vmx = _mm256_max_ps(vmx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmx);
+    for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+#endif
+    for (; k < K; k++) {
         float a = fabsf(x[k]);
         mx = a > mx ? a : mx;
     }
     float d = mx > 0.f ? mx / 32767.f : 1.f, inv = 1.f / d;
-    for (int64_t k = 0; k < K; k++) q[k] = (int16_t)lrintf(x[k] * inv);
-    for (int64_t k = K; k < Kp; k++) q[k] = 0;
+    k = 0;
+#ifdef RK_AVX2
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; k + 16 <= K; k += 16) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), vinv));
+        /* packs works within 128-bit lanes: a0 b0 a1 b1, put back in order */
+        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8));
+    }
+#endif
+    for (; k < K; k++) q[k] = (int16_t)lrintf(x[k] * inv);
+    for (; k < Kp; k++) q[k] = 0;
     return d;
 }
+
+#ifdef RK_AVX2
+/* e^x for 8 floats, to about 2 ulp (x clamped to [-87, 88]: silu needs no more): e^x = 2^n e^r,
+ * n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor polynomial. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln 2 in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 
 /* x [M, K] (row stride xs) -> q [M, Kp] int16, dq [M]. */
 void rk_quantize_rows(const float *x, int64_t M, int64_t K, int64_t xs, int64_t Kp, int16_t *q, float *dq) {
@@ -85,7 +128,16 @@ void rk_silu_mul_quantize(const float *gu, int64_t M, int64_t I, int64_t gs, flo
                           float *dq) {
     for (int64_t m = 0; m < M; m++) {
         const float *g = gu + m * gs, *u = g + I;
-        for (int64_t i = 0; i < I; i++) tmp[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+#ifdef RK_AVX2
+        const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign)));
+            _mm256_storeu_ps(tmp + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) tmp[i] = g[i] / (1.f + expf(-g[i])) * u[i];
         dq[m] = quantize_row(tmp, I, Kp, q + m * Kp);
     }
 }
@@ -115,12 +167,15 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
 }
 
 /* Rotary embedding in place on `heads` vectors of D: x * cos + roll(x, D/2) * signed_sin. */
-static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const float *ssin, float *tmp) {
+static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const float *ssin) {
     const int64_t half = D / 2;
     for (int64_t h = 0; h < heads; h++) {
         float *v = x + h * D;
-        for (int64_t d = 0; d < D; d++) tmp[d] = v[(d + half) % D];
-        for (int64_t d = 0; d < D; d++) v[d] = v[d] * cos[d] + tmp[d] * ssin[d];
+        for (int64_t d = 0; d < half; d++) {
+            const float lo = v[d], hi = v[d + half];
+            v[d] = lo * cos[d] + hi * ssin[d];
+            v[d + half] = hi * cos[d + half] + lo * ssin[d + half];
+        }
     }
 }
 
@@ -131,32 +186,39 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const f
  * positions [start, len[m]) of its sequence, a position's slot being
  * table[m, p / bs] * bs + p % bs (start = len - window with a sliding window, else 0).
  * cos, ssin: [max_len, D] tables (see model.Rotary). out [M, H D]. scratch: M H max_len floats.
+ *
+ * Heads are shared out between threads. The cache is walked a block at a time (the positions of
+ * a block are consecutive slots), and its float32 rows come from memory every step (the weights
+ * have pushed them out of cache), so long contexts are bound by reading them.
  */
 void rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D,
                          const int64_t *pos, const float *cos, const float *ssin, float *k_cache, float *v_cache,
                          const int64_t *slot, const int64_t *table, int64_t tw, const int64_t *len, int64_t bs,
                          int64_t window, float scale, int64_t max_len, float *scratch, float *out) {
-    float tmp[1024];
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * qs;
-        rotate(row, H + KVH, D, cos + pos[m] * D, ssin + pos[m] * D, tmp);
+        rotate(row, H + KVH, D, cos + pos[m] * D, ssin + pos[m] * D);
         memcpy(k_cache + slot[m] * KVH * D, row + H * D, (size_t)(KVH * D) * sizeof(float));
         memcpy(v_cache + slot[m] * KVH * D, row + (H + KVH) * D, (size_t)(KVH * D) * sizeof(float));
     }
-    const int64_t group = H / KVH;
-    /* Short contexts stay on one thread: waking the team costs more than the work. */
-#pragma omp parallel for schedule(static) if (M * H * max_len >= 8192)
+    const int64_t group = H / KVH, stride = KVH * D;
+    /* Only the first few tokens stay on one thread: waking the team costs more than the work. */
+#pragma omp parallel for schedule(static) if (M * H * max_len >= 512)
     for (int64_t mh = 0; mh < M * H; mh++) {
         const int64_t m = mh / H, h = mh % H, kvh = h / group;
         const float *q = qkv + m * qs + h * D;
         const int64_t *tab = table + m * tw;
         const int64_t end = len[m], start = window > 0 && end > window ? end - window : 0;
         float *s = scratch + mh * max_len, mx = -INFINITY;
-        for (int64_t p = start; p < end; p++) {
-            const int64_t sl = tab[p / bs] * bs + p % bs;
-            const float v = dot(q, k_cache + (sl * KVH + kvh) * D, D) * scale;
-            s[p - start] = v;
-            mx = v > mx ? v : mx;
+        for (int64_t p = start; p < end;) { /* a block's run of positions at a time */
+            const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
+            const float *k = k_cache + (tab[p / bs] * bs + off) * stride + kvh * D;
+            for (int64_t i = 0; i < n; i++) {
+                const float v = dot(q, k + i * stride, D) * scale;
+                s[p - start + i] = v;
+                mx = v > mx ? v : mx;
+            }
+            p += n;
         }
         float total = 0.f;
         for (int64_t p = 0; p < end - start; p++) {
@@ -166,41 +228,65 @@ void rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t K
         float *o = out + m * H * D + h * D;
         memset(o, 0, (size_t)D * sizeof(float));
         const float inv = 1.f / total;
-        for (int64_t p = start; p < end; p++) {
-            const int64_t sl = tab[p / bs] * bs + p % bs;
-            axpy(o, s[p - start] * inv, v_cache + (sl * KVH + kvh) * D, D);
+        for (int64_t p = start; p < end;) {
+            const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
+            const float *v = v_cache + (tab[p / bs] * bs + off) * stride + kvh * D;
+            for (int64_t i = 0; i < n; i++) axpy(o, s[p - start + i] * inv, v + i * stride, D);
+            p += n;
         }
     }
 }
 
-/* Layout of a packed weight (see quantize.quantize_int8): tiles of TILE output channels; in a tile,
- * per group of G inputs, a header of TILE float scales and TILE float minimums, then G / 2 steps of
- * 16 bytes, step p holding inputs 2p and 2p + 1 of each of the TILE channels in turn. Widened to
- * int16 and multiplied-and-paired (vpmaddwd) with those two inputs broadcast, a step leaves each
- * channel's partial sum in its own int32 lane: no horizontal sums, and one widening serves every
- * row of the batch. */
+/* Layout of a packed weight (see quantize.pack_weight): tiles of TILE output channels; in a tile,
+ * per group of G inputs, a header of TILE float scales and TILE float minimums, then the weights
+ * in steps of 16 bytes:
+ *   8 bits: G / 2 steps, step p holding inputs 2p and 2p + 1 of each of the TILE channels in turn;
+ *   4 bits: G / 4 steps, byte 2c + j of step p holding input 4p + j of channel c in its low
+ *           nibble and input 4p + 2 + j in its high one (j = 0, 1).
+ * Widened to int16 and multiplied-and-paired (vpmaddwd) with those two inputs broadcast, 16
+ * weights leave each channel's partial sum in its own int32 lane: no horizontal sums, and one
+ * widening serves every row of the batch. */
 #define TILE 8
+
+static inline int64_t group_bytes(int64_t G, int bits) { return 8 * TILE + TILE * G * bits / 8; }
 
 #ifdef RK_AVX2
 /* R rows (R <= 4) of the batch against one tile: res[r * TILE + c]. */
 static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile, int64_t NG, int64_t G,
-                                                            const int16_t *q, int64_t Kp, const float *xs,
-                                                            const int R, float *res) {
-    const int64_t group_bytes = 8 * TILE + TILE * G;
+                                                            const int bits, const int16_t *q, int64_t Kp,
+                                                            const float *xs, const int R, float *res) {
+    const int64_t gb = group_bytes(G, bits);
+    const __m128i nibble = _mm_set1_epi8(0x0f);
     __m256 f[4];
     for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        const uint8_t *grp = tile + g * group_bytes, *u = grp + 8 * TILE;
+        const uint8_t *grp = tile + g * gb, *u = grp + 8 * TILE;
         const int16_t *x = q + g * G;
         __m256i a[4];
         for (int r = 0; r < R; r++) a[r] = _mm256_setzero_si256();
-        for (int64_t p = 0; p < G / 2; p++) {
-            if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 2048), _MM_HINT_T0);
-            const __m256i wv = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + 16 * p)));
-            for (int r = 0; r < R; r++) {
-                int32_t pair;
-                memcpy(&pair, x + r * Kp + 2 * p, sizeof pair);
-                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair)));
+        if (bits == 8) {
+            for (int64_t p = 0; p < G / 2; p++) {
+                if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 2048), _MM_HINT_T0);
+                const __m256i wv = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + 16 * p)));
+                for (int r = 0; r < R; r++) {
+                    int32_t pair;
+                    memcpy(&pair, x + r * Kp + 2 * p, sizeof pair);
+                    a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair)));
+                }
+            }
+        } else {
+            for (int64_t p = 0; p < G / 4; p++) {
+                if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 1024), _MM_HINT_T0);
+                const __m128i v = _mm_loadu_si128((const __m128i *)(u + 16 * p));
+                const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble));
+                const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+                for (int r = 0; r < R; r++) {
+                    int32_t p0, p1;
+                    memcpy(&p0, x + r * Kp + 4 * p, sizeof p0);
+                    memcpy(&p1, x + r * Kp + 4 * p + 2, sizeof p1);
+                    a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(lo, _mm256_set1_epi32(p0)));
+                    a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(hi, _mm256_set1_epi32(p1)));
+                }
             }
         }
         const __m256 scale = _mm256_loadu_ps((const float *)grp), low = _mm256_loadu_ps((const float *)grp + TILE);
@@ -211,16 +297,23 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile,
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res + r * TILE, f[r]);
 }
+#else
+/* Weight k of channel c in a group's packed bytes u. */
+static inline int32_t packed_weight(const uint8_t *u, int bits, int64_t k, int c) {
+    if (bits == 8) return u[(k / 2) * 2 * TILE + c * 2 + k % 2];
+    const uint8_t b = u[(k / 4) * 2 * TILE + c * 2 + k % 2];
+    return k % 4 < 2 ? b & 0x0f : b >> 4;
+}
 #endif
 
 /* out[m, n] (+)= dq[m] * sum_g (s[n, g] * sum_{k in g} q[m, k] u[n, k] + mn[n, g] * sum_{k in g} q[m, k])
- *               (+ bias[n]); only n < N is written. A weight is s * u + mn with u in 0..255:
- * asymmetric, so a GGUF Q4_1 block (d * q + m, q in 0..15) is exact with s = d / 17.
- * G <= 256 keeps a lane's int32 sum in range (G / 2 steps of 2 * 255 * 32767). xsum: M * Kp / G
- * floats of scratch. */
-void rk_int8_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const uint8_t *w, int64_t G,
-                    const float *bias, int64_t N, float *out, int64_t os, int accumulate, float *xsum) {
-    const int64_t tiles = (N + TILE - 1) / TILE, NG = Kp / G, group_bytes = 8 * TILE + TILE * G;
+ *               (+ bias[n]); only n < N is written. A weight is s * u + mn with u in 0..255 (8 bits)
+ * or 0..15 (4 bits): asymmetric, so a GGUF Q4_1 block (d * q + m, q in 0..15) is exact at 4 bits
+ * (s = d) and at 8 (s = d / 17). G <= 256 keeps a lane's int32 sum in range (G / 2 products of
+ * 2 * 255 * 32767). xsum: M * Kp / G floats of scratch. */
+void rk_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const uint8_t *w, int64_t G, int bits,
+               const float *bias, int64_t N, float *out, int64_t os, int accumulate, float *xsum) {
+    const int64_t tiles = (N + TILE - 1) / TILE, NG = Kp / G, gb = group_bytes(G, bits);
     for (int64_t i = 0; i < M * NG; i++) { /* each group's sum of the (quantized) inputs */
         const int16_t *x = q + (i / NG) * Kp + (i % NG) * G;
         int32_t sum = 0;
@@ -230,29 +323,33 @@ void rk_int8_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, co
 #pragma omp parallel for schedule(static) if (tiles * Kp * M > 32768)
     for (int64_t b = 0; b < tiles; b++) {
         const int64_t n = TILE * b;
-        const uint8_t *tile = w + b * NG * group_bytes;
+        const uint8_t *tile = w + b * NG * gb;
         float res[4 * TILE];
         for (int64_t m = 0; m < M;) {
             const int64_t rows = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
             const int16_t *x = q + m * Kp;
             const float *xs = xsum + m * NG;
 #ifdef RK_AVX2
-            if (rows == 4)
-                tile_rows(tile, NG, G, x, Kp, xs, 4, res);
-            else if (rows == 2)
-                tile_rows(tile, NG, G, x, Kp, xs, 2, res);
-            else
-                tile_rows(tile, NG, G, x, Kp, xs, 1, res);
+            /* constant bits and rows: each combination compiles to its own unrolled loop */
+            if (bits == 8) {
+                if (rows == 4) tile_rows(tile, NG, G, 8, x, Kp, xs, 4, res);
+                else if (rows == 2) tile_rows(tile, NG, G, 8, x, Kp, xs, 2, res);
+                else tile_rows(tile, NG, G, 8, x, Kp, xs, 1, res);
+            } else {
+                if (rows == 4) tile_rows(tile, NG, G, 4, x, Kp, xs, 4, res);
+                else if (rows == 2) tile_rows(tile, NG, G, 4, x, Kp, xs, 2, res);
+                else tile_rows(tile, NG, G, 4, x, Kp, xs, 1, res);
+            }
 #else
             for (int64_t r = 0; r < rows; r++) {
                 for (int c = 0; c < TILE; c++) res[r * TILE + c] = 0.f;
                 for (int64_t g = 0; g < NG; g++) {
-                    const uint8_t *grp = tile + g * group_bytes, *u = grp + 8 * TILE;
+                    const uint8_t *grp = tile + g * gb, *u = grp + 8 * TILE;
                     const float *hdr = (const float *)grp;
                     for (int c = 0; c < TILE; c++) {
                         int32_t sum = 0;
                         for (int64_t k = 0; k < G; k++)
-                            sum += (int32_t)x[r * Kp + g * G + k] * (int32_t)u[(k / 2) * 2 * TILE + c * 2 + k % 2];
+                            sum += (int32_t)x[r * Kp + g * G + k] * packed_weight(u, bits, k, c);
                         res[r * TILE + c] += (float)sum * hdr[c] + hdr[TILE + c] * xs[r * NG + g];
                     }
                 }
@@ -287,6 +384,7 @@ typedef struct {
     const float *final_norm, *cos, *sin;
     const uint8_t *lm_head;
     int64_t lm_head_kp;
+    int bits, lm_head_bits; /* of the layers' projections, of the LM head: 8 or 4 */
 } rk_model;
 
 /* x [M, hidden]: the new tokens' embeddings in, the residual stream throughout. Positions, slots,
@@ -301,17 +399,18 @@ void rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos,
     for (int64_t i = 0; i < md->num_layers; i++) {
         const rk_layer *l = md->layers + i;
         rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
-        rk_int8_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
+        rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
         rk_decode_attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, md->cos, md->sin, l->k_cache,
                             l->v_cache, slot, table, tw, len, md->block_size, md->window, md->scale, max_len, scores,
                             attn);
         rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
-        rk_int8_linear(q, dq, M, l->o_kp, l->o, md->group, l->o_bias, H, x, H, 1, xsum);
+        rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, x, H, 1, xsum);
         rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
-        rk_int8_linear(q, dq, M, l->gate_up_kp, l->gate_up, md->group, l->gate_up_bias, 2 * I, gate_up, 2 * I, 0, xsum);
+        rk_linear(q, dq, M, l->gate_up_kp, l->gate_up, md->group, md->bits,
+                  l->gate_up_bias, 2 * I, gate_up, 2 * I, 0, xsum);
         rk_silu_mul_quantize(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
-        rk_int8_linear(q, dq, M, l->down_kp, l->down, md->group, l->down_bias, H, x, H, 1, xsum);
+        rk_linear(q, dq, M, l->down_kp, l->down, md->group, md->bits, l->down_bias, H, x, H, 1, xsum);
     }
     rk_rmsnorm_quantize(x, M, H, H, md->final_norm, md->final_eps, tmp, md->lm_head_kp, q, dq);
-    rk_int8_linear(q, dq, M, md->lm_head_kp, md->lm_head, md->group, NULL, md->vocab, logits, md->vocab, 0, xsum);
+    rk_linear(q, dq, M, md->lm_head_kp, md->lm_head, md->group, md->lm_head_bits, NULL, md->vocab, logits, md->vocab, 0, xsum);
 }

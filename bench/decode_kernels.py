@@ -5,9 +5,10 @@ times that part alone, on SmolLM2-135M's shapes (30 layers of fused qkv 960x576,
 fused gate/up 3072x576, down 576x1536, then the 49,152x576 LM head), with fresh random weights
 (so they come from memory, not cache), next to the machine's plain read bandwidth (a float32 sum
 over 512 MiB). It answers "how fast could a token be if the projections ran at memory speed" for
-the torch engine's CPU weight formats: float32 (``native``), float16 through fbgemm (``fp16``) and
-int8 through the engine's own C kernel (``int8``). A second table times the fp16 and int8 kernels
-at batches of 1 to 32 rows: where int8 stops winning is ``quantize.SMALL_BATCH``.
+the torch engine's CPU weight formats: float32 (``native``), float16 through fbgemm (``fp16``),
+8-bit and 4-bit weights through the engine's own C kernel (``int8``, and ``int4`` with the LM
+head at 8 bits as that format keeps it). A second table times the fp16 and C kernels at batches
+of 1 to 32 rows: where the C kernel stops winning is ``quantize.SMALL_BATCH``.
 
     .venv/bin/python bench/decode_kernels.py
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from backends.torch.quantize import Int8WeightLinear  # noqa: E402
+from backends.torch.quantize import PackedLinear  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -51,11 +52,14 @@ def main() -> None:
     n_params = sum(w.numel() for w in weights)
     packed = [torch.ops.quantized.linear_prepack_fp16(w, None) for w in weights]
     halves = [w.half() for w in weights]
-    int8 = []
-    for w in weights:
+    int8, int4 = [], []
+    for i, w in enumerate(weights):
         layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
         layer.weight.data = w
-        int8.append(Int8WeightLinear(layer))
+        int8.append(PackedLinear(layer, 8))
+        int4.append(PackedLinear(layer, 8 if i == len(weights) - 1 else 4))  # the LM head stays at 8
+    head = LM_HEAD[0] * LM_HEAD[1]
+    int4_bytes = ((n_params - head) * 0.75 + head * 1.25) / n_params
     half_rows = {k: v.half() for k, v in rows.items()}
     variants = {
         "float32 (F.linear, MKL)": (4, lambda: [torch.nn.functional.linear(rows[w.shape[1]], w) for w in weights]),
@@ -65,6 +69,8 @@ def main() -> None:
             2, lambda: [torch.nn.functional.linear(half_rows[w.shape[1]], w) for w in halves]),
         "int8 weights (own C kernel, int16 activations)": (
             1.25, lambda: [lin(rows[lin.in_features]) for lin in int8]),
+        "int4 weights, LM head int8 (own C kernel)": (
+            int4_bytes, lambda: [lin(rows[lin.in_features]) for lin in int4]),
     }
     print(f"\nall projections of one token at batch 1 ({n_params / 1e6:.1f} M weights):")
     print(f"{'kernel':<48} {'ms':>7} {'GB/s':>6} {'tok/s if nothing else':>22}")
@@ -74,12 +80,13 @@ def main() -> None:
             print(f"{name:<48} {seconds * 1e3:>7.1f} {n_params * nbytes / seconds / 1e9:>6.1f} {1 / seconds:>22.1f}")
 
         print("\nall projections of one step, by rows in the batch (ms):")
-        print(f"{'rows':>4} {'fp16 (fbgemm)':>14} {'int8 (C)':>9}")
+        print(f"{'rows':>4} {'fp16 (fbgemm)':>14} {'int8 (C)':>9} {'int4 (C)':>9}")
         for m in (1, 2, 4, 8, 12, 16, 32):
             batch = {k: torch.randn(m, k) for k in (576, 1536)}
             fp16 = timed(lambda: [torch.ops.quantized.linear_dynamic_fp16(batch[w.shape[1]], p) for w, p in zip(weights, packed)])
             own = timed(lambda: [lin.kernel_forward(batch[lin.in_features]) for lin in int8])
-            print(f"{m:>4} {fp16 * 1e3:>14.1f} {own * 1e3:>9.1f}")
+            own4 = timed(lambda: [lin.kernel_forward(batch[lin.in_features]) for lin in int4])
+            print(f"{m:>4} {fp16 * 1e3:>14.1f} {own * 1e3:>9.1f} {own4 * 1e3:>9.1f}")
 
 
 if __name__ == "__main__":

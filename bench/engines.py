@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests per level (default: 2 x concurrency, at least 8)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="device of the torch engine and of generate() (llama.cpp runs on the CPU)")
-    p.add_argument("--torch-weights", choices=["native", "fp16", "int8"], default=None,
-                   help="torch engine weight_format (default: int8 on cpu, native on cuda)")
+    p.add_argument("--torch-weights", choices=["native", "fp16", "int8", "int4"], default=None,
+                   help="torch engine weight_format (default: int4 on cpu, native on cuda)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="torch engine on cuda: every step eagerly (cuda_graphs = false)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.levels or min(args.levels) < 1 or args.max_tokens < 2:
         p.error("--levels must be positive integers and --max-tokens at least 2")
     if args.torch_weights is None:
-        args.torch_weights = "int8" if args.device == "cpu" else "native"
+        args.torch_weights = "int4" if args.device == "cpu" else "native"
     if args.torch_weights != "native" and args.device != "cpu":
         p.error(f"--torch-weights {args.torch_weights} is a CPU option; use native on cuda")
     if args.bandwidth_gbs is None and args.device == "cuda":
@@ -185,8 +185,9 @@ def bandwidth_bound(results: dict, args: argparse.Namespace, params: int) -> dic
         return None
     if args.device == "cuda":
         bytes_per_param = 2.0  # bfloat16
-    else:  # int8: one byte, and a float32 scale and minimum per 32 weights
-        bytes_per_param = {"native": 4.0, "fp16": 2.0, "int8": 1.25}[args.torch_weights]
+    else:  # int8: one byte, and a float32 scale and minimum per 32 weights; int4: half a byte and
+        # the same (its LM head keeps 8 bits and reads more: this bound is a little high)
+        bytes_per_param = {"native": 4.0, "fp16": 2.0, "int8": 1.25, "int4": 0.75}[args.torch_weights]
     weight_bytes = params * bytes_per_param
     bound = args.bandwidth_gbs * 1e9 / weight_bytes
     decode = 1 / row["itl_s"]["mean"] if row["itl_s"]["mean"] else 0.0

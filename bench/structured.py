@@ -55,7 +55,7 @@ def router_config(device: str, levels: list[int]) -> str:
     lines = ["[[models]]", f'name = "{MODEL}"', 'backend = "torch"', f'path = "{GGUF}"',
              "max_model_len = 2048", f'device = "{device}"', f"max_num_seqs = {max(16, *levels)}"]
     if device == "cpu":
-        lines.append('weight_format = "int8"')  # what the default router.toml serves
+        lines.append('weight_format = "int4"')  # what the default router.toml serves
     return "\n".join(lines) + "\n"
 
 

@@ -106,6 +106,6 @@ backend = "torch"
 path = "{GGUF}"
 max_model_len = {max_model_len}
 kv_cache_gb = 0.25
-weight_format = "int8"
+weight_format = "int4"
 {extra}
 """

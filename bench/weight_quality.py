@@ -4,12 +4,18 @@ For each of the engine-test prompts, float32 greedy decoding writes 64 tokens; t
 reads prompt + continuation once per format (teacher forcing) and every position's next-token
 distribution is compared with float32's: the share of positions whose top token is the same, and
 the mean KL divergence KL(float32 || format). Weights only: each projection's weight is replaced by
-what the format stores (float16, or 8 bits with a scale and minimum per ``group`` inputs,
-dequantized); the
-int8 format's int16 activations add a rounding of 1/65,534 of each row's largest value, not
-modelled here. Runs Hugging Face's own model on the dequantized GGUF, no server.
+what the format stores, dequantized: float16; ``int8``, 8 bits with a scale and minimum per 32
+inputs; ``int4``, the layers' projections at 4 bits and the LM head at 8; ``int8/64`` and
+``int8/128``, larger groups. The packed formats' int16 activations add a rounding of 1/65,534 of
+each row's largest value, not modelled here. Runs Hugging Face's own model on the dequantized
+GGUF, no server.
 
-    .venv/bin/python bench/int8_quality.py
+Float32 here is the GGUF file dequantized: its projections are Q4_1 blocks and its LM head (tied
+to the embeddings) Q8_0, which ``int4`` and ``int8`` reproduce exactly. On a model loaded from
+float weights both formats are a real rounding (``int4`` a coarse one); that is not measured
+here, for want of a float SmolLM2 on this machine.
+
+    .venv/bin/python bench/weight_quality.py
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from backends.torch.quantize import dequantize_int8, quantize_int8  # noqa: E402
+from backends.torch.quantize import pack_weight, unpack_weight  # noqa: E402
 from test_torch_engine import PROMPTS  # noqa: E402
 from torch_models import smollm2_folder  # noqa: E402
 
@@ -49,11 +55,13 @@ def main() -> None:
     def store(name: str, weight: torch.Tensor, fmt: str) -> torch.Tensor:
         if fmt == "fp16":
             return weight.half().float()
-        return dequantize_int8(quantize_int8(weight, int(fmt.removeprefix("int8/"))), *weight.shape)
+        kind, _, group = fmt.partition("/")
+        bits = 4 if kind == "int4" and name != "lm_head" else 8
+        return unpack_weight(pack_weight(weight, bits, int(group or 32)), bits, *weight.shape)
 
     print(f"{len(seqs)} prompts, {CONTINUATION} greedy float32 tokens each, teacher-forced")
     print(f"{'format':<10} {'top-1 same':>10} {'mean KL':>9}")
-    for fmt in ("fp16", "int8/32", "int8/64", "int8/128"):
+    for fmt in ("fp16", "int8", "int4", "int8/64", "int8/128"):
         with torch.inference_mode():
             for name, m in model.named_modules():
                 if name in original:

@@ -57,45 +57,63 @@ TILE = 8  # output channels packed together (the kernel's TILE)
 _EXACT = 1e-3  # how far from a level (in levels) a weight may sit and still count as on the grid
 
 
+def _fits(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Whether every weight of a group (``t``: its place in the group's range, 0..1) lies on a
+    grid of ``r`` steps over that range. [groups, 1] bool."""
+    x = t * r
+    return (x - x.round()).abs().amax(-1, keepdim=True) <= _EXACT
+
+
+def _grid_tries(t: torch.Tensor, span: torch.Tensor, absmax: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """Step counts to try, per group, after the full ``2**bits - 1``: what the GGUF quantizers'
+    own scales imply (Q4_0: largest magnitude over 8 steps; Q8_0: over 127), what the smallest gap
+    between two weights implies (usually one step, else two or three), and at 4 bits every count."""
+    full = 2**bits - 1
+    gaps = t.sort(-1).values.diff(dim=-1)
+    smallest = gaps.masked_fill(gaps <= _EXACT / full, 2.0).amin(-1, keepdim=True)
+    tries = [((8 if bits == 4 else 127) * span / absmax).round()] + [(j / smallest).round() for j in (1, 2, 3)]
+    if bits == 4:
+        tries += [torch.full_like(span, r) for r in range(full - 1, 0, -1)]
+    return [r.clamp(1, full) for r in tries]
+
+
 def _grid_levels(groups: torch.Tensor, bits: int) -> torch.Tensor:
-    """Per group, the number of steps between its smallest and largest weight on the grid its
-    weights lie on (so that they are reproduced exactly), else the format's full ``2**bits - 1``.
+    """Per group (last dimension), the number of steps between its smallest and largest weight on
+    the grid its weights lie on (so that they are reproduced exactly), else the format's full
+    ``2**bits - 1``. Returns ``groups``' shape with a last dimension of 1.
 
     A GGUF block is ``d * q + m`` (or ``d * q``) with integer ``q``; its weights then sit on a grid
     of ``r = q_max - q_min`` steps over their range. Q4_1 uses all 16 levels (``r = 15``, the first
-    try); Q4_0 blocks may use fewer, Q8_0 blocks some 200 of 255. 4 bits try every ``r`` below 16;
-    8 bits try 255, Q8_0's own scale (largest magnitude / 127) and what the smallest gap between
-    two weights implies. Float weights fit none and get the full range (a rounding of at most half
-    a step).
+    try); Q4_0 blocks may use fewer, Q8_0 blocks some 200 of 255 (:func:`_grid_tries`). Float
+    weights fit none and get the full range (a rounding of at most half a step). Only groups that
+    miss the full grid are searched, and a tensor where an even sample of 256 of them fits no grid
+    is taken for float weights without searching the rest: its load then costs one pass.
     """
     full = 2**bits - 1
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    span = (high - low).clamp_min(torch.finfo(torch.float32).tiny)
-    t = (groups - low) / span  # 0..1
-
-    def fits(r: torch.Tensor) -> torch.Tensor:
-        x = t * r
-        return (x - x.round()).abs().amax(-1, keepdim=True) <= _EXACT
-
+    flat = groups.reshape(-1, groups.shape[-1])
+    low, high = flat.amin(-1, keepdim=True), flat.amax(-1, keepdim=True)
+    tiny = torch.finfo(torch.float32).tiny
+    span = (high - low).clamp_min(tiny)
+    absmax = torch.maximum(low.abs(), high.abs()).clamp_min(tiny)
+    t = (flat - low) / span  # 0..1
     levels = torch.full_like(low, full)
-    todo = ~fits(levels)
-    if bits == 4:
-        tries = [torch.full_like(low, r) for r in range(full - 1, 0, -1)]
-    else:
-        # Q8_0 maps each block's largest magnitude to 127 steps; failing that, the smallest gap
-        # between two weights is usually one step, else two or three.
-        absmax = torch.maximum(low.abs(), high.abs()).clamp_min(torch.finfo(torch.float32).tiny)
-        gaps = t.sort(-1).values.diff(dim=-1)
-        smallest = gaps.masked_fill(gaps <= _EXACT / full, 2.0).amin(-1, keepdim=True)
-        tries = [(127 * span / absmax).round()] + [(j / smallest).round() for j in (1, 2, 3)]
-        tries = [r.clamp(1, full) for r in tries]
-    for r in tries:
-        if not todo.any():
-            break
-        ok = todo & fits(r)
-        levels = torch.where(ok, r, levels)
-        todo &= ~ok
-    return levels
+    todo = (~_fits(t, levels)).squeeze(-1).nonzero().squeeze(-1)
+
+    def search(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sub = t[rows]
+        found, left = levels[rows], torch.ones_like(levels[rows], dtype=torch.bool)
+        for r in _grid_tries(sub, span[rows], absmax[rows], bits):
+            ok = left & _fits(sub, r)
+            found, left = torch.where(ok, r, found), left & ~ok
+            if not left.any():
+                break
+        return found, left
+
+    if len(todo):
+        sample = todo[:: max(1, len(todo) // 256)]
+        if not search(sample)[1].all():
+            levels[todo] = search(todo)[0]
+    return levels.view(*groups.shape[:-1], 1)
 
 
 def pack_weight(weight: torch.Tensor, bits: int = 8, group: int | None = None) -> torch.Tensor:

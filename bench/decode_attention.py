@@ -1,0 +1,113 @@
+"""Time of the C decode attention (``rk_decode_attention``) for one step of SmolLM2, per context.
+
+A decode step's attention, per layer: rotary on the new token's q and k, the cache write, then
+every head over its sequence's paged cache. This times it for the 30 layers of SmolLM2-135M (9
+heads on 3 KV heads of 64, 16-token blocks, each layer its own float32 cache) at several context
+lengths and batch sizes, with the caches pushed out of the CPU's caches before every step (in
+the engine the weights' pass does that). With ``--base REV`` it builds the same kernel from the
+source at a git revision too and times both in alternation, so one run compares them.
+
+    .venv/bin/python bench/decode_attention.py
+    .venv/bin/python bench/decode_attention.py --base 72b43ef
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from backends.torch import native  # noqa: E402
+
+LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+ARGTYPES = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _I, _P, _P]
+
+
+def build(source: Path, workdir: Path, name: str):
+    """``rk_decode_attention`` from ``source``, compiled as the engine compiles its kernels."""
+    target = workdir / f"{name}.so"
+    cmd = [native._compiler(), *native._FLAGS, "-fopenmp", str(source), "-o", str(target), "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    fn = ctypes.CDLL(str(target)).rk_decode_attention
+    fn.argtypes, fn.restype = ARGTYPES, None
+    return fn
+
+
+class Step:
+    """The tensors of one decode step: M sequences of ``context`` tokens, blocks scattered."""
+
+    def __init__(self, m: int, context: int) -> None:
+        g = torch.Generator().manual_seed(m * 10_000 + context)
+        per_seq = -(-context // BLOCK)
+        blocks = m * per_seq + 1
+        order = torch.randperm(blocks, generator=g)[: m * per_seq].view(m, per_seq)
+        self.m, self.context = m, context
+        self.caches = [
+            (torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=g), torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=g))
+            for _ in range(LAYERS)
+        ]
+        self.table = order.contiguous()
+        self.positions = torch.full((m,), context - 1, dtype=torch.long)
+        self.lengths = torch.full((m,), context, dtype=torch.long)
+        self.slots = (self.table[:, (context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK).contiguous()
+        self.qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * DIM, generator=g)
+        angles = torch.arange(context)[:, None] * torch.rand(DIM, generator=g)[None]
+        self.cos, self.sin = angles.cos().contiguous(), angles.sin().contiguous()
+        self.scratch = torch.empty(m * HEADS * context)
+        self.out = torch.empty(m, HEADS * DIM)
+
+    def run(self, fn) -> None:
+        for k, v in self.caches:
+            fn(
+                self.qkv.data_ptr(), self.m, self.qkv.shape[1], HEADS, KV_HEADS, DIM, self.positions.data_ptr(),
+                self.cos.data_ptr(), self.sin.data_ptr(), k.data_ptr(), v.data_ptr(), self.slots.data_ptr(),
+                self.table.data_ptr(), self.table.shape[1], self.lengths.data_ptr(), BLOCK, 0, DIM**-0.5,
+                self.context, self.scratch.data_ptr(), self.out.data_ptr(),
+            )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="100,400,1000")
+    p.add_argument("--rows", default="1,8", help="sequences per step")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--base", help="also time the kernel at this git revision")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    evict = torch.empty(48 * 2**20)  # 192 MiB, read between steps as the weights' pass would
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        kernels = {"this tree": build(native.SOURCE, work, "tree")}
+        if args.base:
+            old = work / "base.c"
+            old.write_bytes(subprocess.run(
+                ["git", "show", f"{args.base}:backends/torch/csrc/cpu_kernels.c"], cwd=ROOT, check=True,
+                capture_output=True).stdout)
+            kernels = {args.base: build(old, work, "base"), **kernels}
+        print(f"threads {torch.get_num_threads()}; ms per step (30 layers), median of {args.repeats}")
+        print(f"{'rows':>4} {'context':>7} " + " ".join(f"{name:>12}" for name in kernels))
+        for m in map(int, args.rows.split(",")):
+            for context in map(int, args.contexts.split(",")):
+                step = Step(m, context)
+                times = {name: [] for name in kernels}
+                for _ in range(args.repeats):
+                    for name, fn in kernels.items():
+                        evict.add_(1.0)
+                        start = time.perf_counter()
+                        step.run(fn)
+                        times[name].append(time.perf_counter() - start)
+                print(f"{m:>4} {context:>7} " + " ".join(f"{statistics.median(t) * 1e3:>12.2f}" for t in times.values()))
+
+
+if __name__ == "__main__":
+    main()

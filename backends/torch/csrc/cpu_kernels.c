@@ -84,7 +84,8 @@ static float quantize_row(const float *x, int64_t K, int64_t Kp, int16_t *q) {
 }
 
 #ifdef RK_AVX2
-/* e^x for 8 floats, to about 2 ulp (x clamped to [-87, 88]: silu needs no more): e^x = 2^n e^r,
+/* e^x for 8 floats, to about 2 ulp (x clamped to [-87, 88]: SiLU and softmax need no more, a
+ * softmax weight of e^-87 against the largest one's 1 is nothing): e^x = 2^n e^r,
  * n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor polynomial. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
@@ -221,7 +222,19 @@ void rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t K
             p += n;
         }
         float total = 0.f;
-        for (int64_t p = 0; p < end - start; p++) {
+        int64_t p = 0;
+#ifdef RK_AVX2
+        __m256 vt = _mm256_setzero_ps();
+        for (; p + 8 <= end - start; p += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(s + p, e);
+            vt = _mm256_add_ps(vt, e);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vt);
+        for (int i = 0; i < 8; i++) total += lanes[i];
+#endif
+        for (; p < end - start; p++) {
             s[p] = expf(s[p] - mx);
             total += s[p];
         }

@@ -1,16 +1,23 @@
-"""Time of one decode token at batch 1 inside the torch engine, per CPU weight format (no HTTP).
+"""Time of one decode step inside the torch engine, per CPU weight format and batch size (no HTTP).
 
-Builds the engine on the bundled SmolLM2 for each format, warms it up, then times a 101-token
-greedy generation and a 1-token one from the same prompt; the difference over 100 is one decode
-step plus the engine loop's own work (sampling, posting the token). Medians of ``--repeats``.
+Builds the engine on the bundled SmolLM2 for each format, warms it up, then times ``rows``
+concurrent greedy generations of 101 tokens and of 1 token from the same prompts; the difference
+over 100 is one decode step of ``rows`` sequences plus the engine loop's own work (sampling,
+posting the tokens). Medians of ``--repeats``.
+
+With ``--torch-ops`` the packed formats (int8, int4) also run every step as torch operations
+(the model's modules, fbgemm's fp16 GEMM above :data:`backends.torch.quantize.SMALL_BATCH` rows)
+instead of the one C call of ``backends/torch/cpu_decode.py``, in the same process, alternating.
 
     .venv/bin/python bench/decode_step.py
     .venv/bin/python bench/decode_step.py --formats int8,int4 --repeats 5
+    .venv/bin/python bench/decode_step.py --formats int4 --rows 1,8,16,32,64 --torch-ops
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -24,34 +31,51 @@ from test_torch_engine import PROMPTS, engine_for, generate, run  # noqa: E402
 from torch_models import smollm2_folder  # noqa: E402
 
 
-def per_token_ms(weight_format: str, repeats: int) -> list[float]:
-    engine = engine_for(smollm2_folder(), weight_format=weight_format)
-    try:
-        ids = engine.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
-        run(generate(engine, ids, 8))
-        out = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run(generate(engine, ids, 101))
-            long = time.perf_counter() - start
-            start = time.perf_counter()
-            run(generate(engine, ids, 1))
-            short = time.perf_counter() - start
-            out.append((long - short) / 100 * 1e3)
-        return out
-    finally:
-        run(engine.stop())
+def step_ms(engine, prompts: list[list[int]], decoder) -> float:  # type: ignore[no-untyped-def]
+    """One timed measurement: ms per decode step of ``len(prompts)`` sequences."""
+    engine.runner.decoder = decoder
+
+    def timed(n: int) -> float:
+        async def all_at_once() -> None:
+            await asyncio.gather(*(generate(engine, p, n) for p in prompts))
+
+        start = time.perf_counter()
+        run(all_at_once())
+        return time.perf_counter() - start
+
+    return (timed(101) - timed(1)) / 100 * 1e3
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default="native,fp16,int8,int4", help="weight formats (default: native,fp16,int8,int4)")
+    p.add_argument("--rows", default="1", help="sequences decoding together (default: 1)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--torch-ops", action="store_true", help="packed formats: also time steps as torch operations")
     args = p.parse_args()
-    print(f"{'format':<8} {'ms/token median':>16} {'runs':>24}")
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"{'format':<8} {'rows':>4} {'step':<10} {'ms/step median':>15} {'runs':>24}")
     for fmt in args.formats.split(","):
-        times = per_token_ms(fmt, args.repeats)
-        print(f"{fmt:<8} {statistics.median(times):>16.1f} {' '.join(f'{t:.1f}' for t in times):>24}")
+        engine = engine_for(smollm2_folder(), weight_format=fmt, kv_cache_gb=0.5, max_num_seqs=max(rows))
+        try:
+            decoder = engine.runner.decoder
+            paths = {"one C call": decoder} if decoder is not None else {"torch ops": None}
+            if decoder is not None and args.torch_ops:
+                paths["torch ops"] = None
+            encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            for n in rows:
+                prompts = [encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+                for d in paths.values():
+                    step_ms(engine, prompts, d)  # warm-up: this batch shape once
+                times: dict[str, list[float]] = {name: [] for name in paths}
+                for _ in range(args.repeats):
+                    for name, d in paths.items():
+                        times[name].append(step_ms(engine, prompts, d))
+                for name, ts in times.items():
+                    runs = " ".join(f"{t:.1f}" for t in ts)
+                    print(f"{fmt:<8} {n:>4} {name:<10} {statistics.median(ts):>15.1f} {runs:>24}", flush=True)
+        finally:
+            run(engine.stop())
 
 
 if __name__ == "__main__":

@@ -3,16 +3,20 @@
 At batch 1 the int8 projections read the whole model in about 9 ms on 2 cores; the same step run
 as torch operations spends as long again dispatching some 3,000 small ones (norms, rotary, the
 cache gather, attention, residual adds), and even one Python call per kernel (270 a step) cost
-3 ms. For a step that only decodes, and at most :data:`~.quantize.SMALL_BATCH` sequences,
-``rk_decode_step`` runs the whole model; per layer:
+3 ms. For a step that only decodes, ``rk_decode_step`` runs the whole model; per layer:
 
     RMSNorm + quantize -> qkv -> rotary + cache write + attention -> quantize -> o_proj (added to
     the residual) -> RMSNorm + quantize -> gate_up -> SiLU * up + quantize -> down_proj (added)
 
 and the final norm and LM head. The model's weights are described to C once (:class:`RkModel`);
-a step passes only its tokens' places. Every other step (prefill chunks, large batches, other
-weight formats) runs :class:`.model.CausalLM` as written. The numbers are those of the packed
-format's own general path up to float rounding (tested token for token).
+a step passes only its tokens' places. Every other step (prefill chunks, other weight formats)
+runs :class:`.model.CausalLM` as written. The numbers are those of the packed format's C-kernel
+path up to float rounding (tested token for token).
+
+Large decode batches come here too. Per matrix, fbgemm's fp16 GEMM beats the C kernel from about
+12 rows (:data:`~.quantize.SMALL_BATCH`), but the torch operations around the projections cost
+more than that difference: a 32-sequence step took 171 ms as torch operations and 124 ms here
+(bench/decode_step.py --rows).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import CausalLM
-from .quantize import SMALL_BATCH, PackedLinear
+from .quantize import PackedLinear
 from .scheduler import DecodeRows, Step
 
 class CpuDecoder:
@@ -43,7 +47,6 @@ class CpuDecoder:
         self.model = model
         self.kv = kv
         self.spec = spec
-        self.max_rows = SMALL_BATCH
         linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
         self._kp = max(lin.padded_in_features for lin in linears)
         # Everything C reads stays referenced here (the model holds the packed weights).
@@ -85,9 +88,9 @@ class CpuDecoder:
             raise ValueError("CpuDecoder needs one width (8 or 4 bits) for every projection of the layers")
 
     def accepts(self, step: Step) -> bool:
-        """Whether this step is decode-only and small enough for the kernels."""
+        """Whether this step only decodes (one new token per sequence, whatever their number)."""
         work = step.work
-        return 0 < len(work) <= self.max_rows and all(w.is_decode for w in work)
+        return len(work) > 0 and all(w.is_decode for w in work)
 
     def logits(self, step: Step) -> torch.Tensor:
         """Logits ``[len(step.work), vocab]`` for a step :meth:`accepts` (every row samples)."""

@@ -126,7 +126,7 @@ class TorchEngine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_batched_tokens)
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
-        if options.weight_format in ("int8", "int4"):  # small decode-only steps in one C call
+        if options.weight_format in ("int8", "int4"):  # decode-only steps in one C call
             from .cpu_decode import CpuDecoder
 
             decoder = CpuDecoder(self.model, self.kv)

@@ -8,7 +8,10 @@ over 512 MiB). It answers "how fast could a token be if the projections ran at m
 the torch engine's CPU weight formats: float32 (``native``), float16 through fbgemm (``fp16``),
 8-bit and 4-bit weights through the engine's own C kernel (``int8``, and ``int4`` with the LM
 head at 8 bits as that format keeps it). A second table times the fp16 and C kernels at batches
-of 1 to 32 rows: where the C kernel stops winning is ``quantize.SMALL_BATCH``.
+of 1 to 512 rows (prefill chunks reach 512). The packed formats run decode-only steps of any
+size through the C kernel (one call for the whole step, see backends/torch/cpu_decode.py) and
+the larger matrices of prefill and mixed steps, above ``quantize.SMALL_BATCH`` rows, through
+fbgemm's fp16 copy of the same weights.
 
     .venv/bin/python bench/decode_kernels.py
 """
@@ -81,11 +84,12 @@ def main() -> None:
 
         print("\nall projections of one step, by rows in the batch (ms):")
         print(f"{'rows':>4} {'fp16 (fbgemm)':>14} {'int8 (C)':>9} {'int4 (C)':>9}")
-        for m in (1, 2, 4, 8, 12, 16, 32):
+        for m in (1, 2, 4, 8, 12, 16, 32, 64, 512):
             batch = {k: torch.randn(m, k) for k in (576, 1536)}
-            fp16 = timed(lambda: [torch.ops.quantized.linear_dynamic_fp16(batch[w.shape[1]], p) for w, p in zip(weights, packed)])
-            own = timed(lambda: [lin.kernel_forward(batch[lin.in_features]) for lin in int8])
-            own4 = timed(lambda: [lin.kernel_forward(batch[lin.in_features]) for lin in int4])
+            reps = REPS if m <= 64 else 2
+            fp16 = timed(lambda: [torch.ops.quantized.linear_dynamic_fp16(batch[w.shape[1]], p) for w, p in zip(weights, packed)], reps)
+            own = timed(lambda: [lin.kernel_forward(batch[lin.in_features]) for lin in int8], reps)
+            own4 = timed(lambda: [lin.kernel_forward(batch[lin.in_features]) for lin in int4], reps)
             print(f"{m:>4} {fp16 * 1e3:>14.1f} {own * 1e3:>9.1f} {own4 * 1e3:>9.1f}")
 
 

@@ -6,8 +6,9 @@ over 100 is one decode step of ``rows`` sequences plus the engine loop's own wor
 posting the tokens). Medians of ``--repeats``.
 
 With ``--torch-ops`` the packed formats (int8, int4) also run every step as torch operations
-(the model's modules, fbgemm's fp16 GEMM above :data:`backends.torch.quantize.SMALL_BATCH` rows)
-instead of the one C call of ``backends/torch/cpu_decode.py``, in the same process, alternating.
+(the model's modules; fbgemm's fp16 GEMM above :data:`backends.torch.quantize.SMALL_BATCH`
+rows) instead of the one C call of
+``backends/torch/cpu_decode.py``, in the same process, alternating.
 
     .venv/bin/python bench/decode_step.py
     .venv/bin/python bench/decode_step.py --formats int8,int4 --repeats 5

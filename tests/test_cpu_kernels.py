@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from backends.torch import native
 from backends.torch.attention import decode_mask
 from backends.torch.model import ModelSpec, Rotary, apply_rotary
-from backends.torch.quantize import PackedLinear, pack_int4_weights, pack_weight, unpack_weight
+from backends.torch.quantize import SMALL_BATCH, PackedLinear, pack_int4_weights, pack_weight, unpack_weight
 
 
 BUILDS = ["native"] + (["portable"] if platform.machine() in ("x86_64", "AMD64") else [])
@@ -186,7 +186,9 @@ def reference_linear(k, lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
+# From 16 rows the AVX2 build takes its wide loop (two rows at a time: 17 and 33 leave one).
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 33])
+# Tiles of 8 channels go in pairs in the wide loop: 1, 2 (the second partial) and 17 tiles.
 @pytest.mark.parametrize("n,kin,bias", [(4, 32, False), (9, 48, True), (576, 576, False), (130, 1536, True), (1, 16, True)])
 def test_linear_matches_its_reference(k, m, n, kin, bias, bits):
     torch.manual_seed(m * 1000 + n)
@@ -196,18 +198,20 @@ def test_linear_matches_its_reference(k, m, n, kin, bias, bits):
     want = reference_linear(k, lin, x)
     assert got.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lin(x), got, rtol=1e-5, atol=1e-5)  # the module: the engine's build
+    module = lin(x) if m <= SMALL_BATCH else lin.kernel_forward(x)  # the engine's build
+    torch.testing.assert_close(module, got, rtol=1e-5, atol=1e-5)
     # And close to the float layer it replaced (the weights are packed now).
     float_out = F.linear(x, lin.weight(), lin._bias)
     torch.testing.assert_close(got, float_out, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_linear_accumulates_into_a_strided_output(k, bits):
+@pytest.mark.parametrize("m", [3, 20])
+def test_linear_accumulates_into_a_strided_output(k, bits, m):
     torch.manual_seed(3)
     lin = PackedLinear(torch.nn.Linear(64, 10, bias=True), bits)
-    x = torch.randn(3, 64)
-    base = torch.randn(3, 16)
+    x = torch.randn(m, 64)
+    base = torch.randn(m, 16)
     out = base.clone()
     linear_with(k, lin, x, out[:, 2:12], accumulate=True)
     torch.testing.assert_close(out[:, 2:12], base[:, 2:12] + reference_linear(k, lin, x), rtol=1e-5, atol=1e-5)
@@ -221,6 +225,18 @@ def test_group_sizes_and_widths_the_kernel_cannot_take_are_refused():
         pack_weight(torch.randn(8, 48), 8, 24)
     with pytest.raises(ValueError, match="bits must be 8 or 4"):
         pack_weight(torch.randn(8, 32), 2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_row_gets_the_same_bits_whatever_the_batch(k, bits):
+    # The engine relies on it: a sequence's tokens must not depend on how many others decode in
+    # the same step, though batches of 16 rows and more take the kernel's other loop.
+    torch.manual_seed(5)
+    lin = PackedLinear(torch.nn.Linear(576, 130, bias=True), bits)
+    x = torch.randn(41, 576)
+    together = linear_with(k, lin, x)
+    for start, rows in ((0, 1), (3, 2), (8, 8), (16, 16), (5, 33)):
+        assert torch.equal(linear_with(k, lin, x[start : start + rows]), together[start : start + rows])
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -67,7 +67,7 @@ def test_packed_batched_equals_alone_and_stays_close_to_float32(smol_packed):
     assert calls["n"] >= 8 * 31
 
     # 12 sequences (the 8 prompts, then 4 again with other lengths): decode steps of up to 12
-    # rows, more than quantize.SMALL_BATCH, which still run in C.
+    # rows, all in C.
     lengths = LENGTHS + [32, 7, 19, 28]
     prompts = ids + ids[:4]
 
@@ -77,10 +77,11 @@ def test_packed_batched_equals_alone_and_stays_close_to_float32(smol_packed):
     calls["n"] = 0
     batched = [out for out, _ in run(all_at_once())]
     assert calls["n"] >= max(lengths) - 1
-    # Rows are quantized one by one, so in a decode step a sequence's tokens do not depend on its
-    # neighbours, however many. (A row that shares a step of more than 8 rows with a prefill chunk
-    # goes through the fp16 copy instead and may differ by rounding; here all prompts prefill in
-    # the first step, as each did alone.)
+    # Rows are quantized one by one and the kernel's loops give a row the same bits whatever the
+    # batch, so in a decode step a sequence's tokens do not depend on its neighbours, however many.
+    # (A row that shares a step of more than 8 rows with a prefill chunk goes through the fp16 copy
+    # instead and may differ by rounding; here all prompts prefill in the first step, as each did
+    # alone.)
     assert [b == a[: len(b)] for a, b in zip(alone + alone[:4], batched)] == [True] * 12
 
     native = engine_for(folder)

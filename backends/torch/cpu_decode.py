@@ -13,10 +13,10 @@ a step passes only its tokens' places. Every other step (prefill chunks, other w
 runs :class:`.model.CausalLM` as written. The numbers are those of the packed format's C-kernel
 path up to float rounding (tested token for token).
 
-Large decode batches come here too. Per matrix, fbgemm's fp16 GEMM beats the C kernel from about
-12 rows (:data:`~.quantize.SMALL_BATCH`), but the torch operations around the projections cost
-more than that difference: a 32-sequence step took 171 ms as torch operations and 124 ms here
-(bench/decode_step.py --rows).
+Large decode batches come here too. Matrix by matrix, fbgemm's fp16 GEMM (what the torch path
+uses above :data:`~.quantize.SMALL_BATCH` rows) keeps pace with the C kernel there, but the torch
+operations around the projections cost more: a 32-sequence step took 184 ms as torch operations
+and 134 ms here (bench/decode_step.py --rows 32 --torch-ops).
 """
 
 from __future__ import annotations

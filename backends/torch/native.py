@@ -1,9 +1,9 @@
 """The engine's C kernels (``csrc/cpu_kernels.c``): built once per machine, loaded with ctypes.
 
 The library is compiled by the system C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``) with
-``-O3 -march=native -fopenmp`` into the router's cache directory, under a name derived from the
-source, the flags and the CPU, so an upgrade or another machine sharing the cache builds its own
-copy; later loads take milliseconds. torch is imported first: its bundled ``libgomp.so.1`` is then
+``-O3 -march=native -ffp-contract=off -fopenmp`` into the router's cache directory, under a name
+derived from the source, the flags and the CPU, so an upgrade or another machine sharing the cache
+builds its own copy; later loads take milliseconds. torch is imported first: its bundled ``libgomp.so.1`` is then
 the OpenMP runtime the library binds to (same soname), so both share one thread pool and
 ``torch.set_num_threads`` governs the kernels too.
 """
@@ -29,7 +29,10 @@ log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 ABI = 6
-_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+# No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
+# fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
+# of the kernel's loops (batch sizes) computed it.
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 

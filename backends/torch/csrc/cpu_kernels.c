@@ -17,12 +17,13 @@
  * the format's distance from float32 is dominated by the weights (bench/int8_quality.py). Per-group
  * activation scales would be the next step for models with larger outliers.
  *
- * Built once per machine by backends/torch/native.py (cc -O3 -march=native -fopenmp) and called
- * through ctypes. OpenMP resolves to the libgomp torch already loaded (same soname), so these
+ * Built once per machine by backends/torch/native.py (cc -O3 -march=native -ffp-contract=off
+ * -fopenmp) and called through ctypes. OpenMP resolves to the libgomp torch already loaded (same soname), so these
  * loops share torch's thread pool and its thread count.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -310,6 +311,122 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile,
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res + r * TILE, f[r]);
 }
+
+/* Batches of WIDE_ROWS rows and more take a second loop: per pair of tiles, every weight is
+ * widened to int16 once into a buffer (Kp * 16 int16, in L1 or L2), then rows go through it two
+ * at a time, a pair's four int32 and four float accumulators in registers. The narrow loop above
+ * widens (and for 4 bits splits) the weights again for every 4 rows and keeps one tile: 20-30%
+ * slower from 32 rows on; below 16 rows widening once does not pay. Per row the products and sums
+ * are the same, in the same order, so both loops give the same bits. */
+#define WIDE_ROWS 16
+
+/* One group of one tile, widened: W[16 s + 2 c + j] = weight of input 2 s + j of channel c. */
+static inline __attribute__((always_inline)) void widen_group(const uint8_t *u, int64_t G, const int bits, int16_t *W) {
+    if (bits == 8) {
+        for (int64_t s = 0; s < G / 2; s++)
+            _mm256_store_si256((__m256i *)(W + 16 * s), _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + 16 * s))));
+        return;
+    }
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+    for (int64_t p = 0; p < G / 4; p++) { /* step p: low nibbles are pair-step 2p, high ones 2p + 1 */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(u + 16 * p));
+        _mm256_store_si256((__m256i *)(W + 32 * p), _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble)));
+        _mm256_store_si256((__m256i *)(W + 32 * p + 16),
+                           _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)));
+    }
+}
+
+/* R rows (1 or 2) against T tiles (1 or 2) of widened weights W [T][NG][G / 2][16]; the tiles'
+ * scales and minimums come from their packed groups (hdr[t] + g * gb). res[r * 2 TILE + t TILE + c]. */
+static inline __attribute__((always_inline)) void wide_rows(const int16_t *W, int64_t NG, int64_t G, const int16_t *q,
+                                                            int64_t Kp, const float *xs, const uint8_t *const *hdr,
+                                                            int64_t gb, const int R, const int T, float *res) {
+    const int64_t S = G / 2, tile_w = NG * S * 16;
+    __m256 f[2][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) f[r][t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        const int16_t *w0 = W + g * S * 16, *w1 = w0 + tile_w, *x = q + g * G;
+        __m256i a[2][2];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) a[r][t] = _mm256_setzero_si256();
+        for (int64_t s = 0; s < S; s++) {
+            const __m256i v0 = _mm256_load_si256((const __m256i *)(w0 + 16 * s));
+            const __m256i v1 = T > 1 ? _mm256_load_si256((const __m256i *)(w1 + 16 * s)) : v0;
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * Kp + 2 * s, sizeof pair);
+                const __m256i b = _mm256_set1_epi32(pair);
+                a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(v0, b));
+                if (T > 1) a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(v1, b));
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const float *h = (const float *)(hdr[t] + g * gb);
+            const __m256 scale = _mm256_loadu_ps(h), low = _mm256_loadu_ps(h + TILE);
+            for (int r = 0; r < R; r++) {
+                f[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][t]), scale, f[r][t]);
+                f[r][t] = _mm256_fmadd_ps(low, _mm256_set1_ps(xs[r * NG + g]), f[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) _mm256_storeu_ps(res + r * 2 * TILE + t * TILE, f[r][t]);
+}
+
+static int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* rk_linear for M >= WIDE_ROWS (xsum filled); 0 when the widening buffer cannot be had. */
+static int wide_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const uint8_t *w, int64_t G,
+                       int bits, const float *bias, int64_t N, float *out, int64_t os, int accumulate,
+                       const float *xsum) {
+    const int64_t tiles = (N + TILE - 1) / TILE, NG = Kp / G, gb = group_bytes(G, bits), pairs = (tiles + 1) / 2;
+    const int64_t per_thread = 2 * Kp * TILE; /* int16 */
+    int16_t *buffers = aligned_alloc(32, (size_t)(rk_threads() * per_thread) * sizeof(int16_t));
+    if (!buffers) return 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t pb = 0; pb < pairs; pb++) {
+        const int64_t b = 2 * pb, T = b + 1 < tiles ? 2 : 1, n = TILE * b;
+        int16_t *W = buffers + thread_index() * per_thread;
+        const uint8_t *hdr[2] = {w + b * NG * gb, w + (b + 1) * NG * gb};
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t g = 0; g < NG; g++) {
+                const uint8_t *u = hdr[t] + g * gb + 8 * TILE;
+                int16_t *dst = W + (t * NG + g) * (G / 2) * 16;
+                if (bits == 8) widen_group(u, G, 8, dst);
+                else widen_group(u, G, 4, dst);
+            }
+        float res[4 * TILE];
+        for (int64_t m = 0; m < M;) {
+            const int64_t rows = M - m >= 2 ? 2 : 1;
+            const int16_t *x = q + m * Kp;
+            const float *xs = xsum + m * NG;
+            if (T == 2) {
+                if (rows == 2) wide_rows(W, NG, G, x, Kp, xs, hdr, gb, 2, 2, res);
+                else wide_rows(W, NG, G, x, Kp, xs, hdr, gb, 1, 2, res);
+            } else {
+                if (rows == 2) wide_rows(W, NG, G, x, Kp, xs, hdr, gb, 2, 1, res);
+                else wide_rows(W, NG, G, x, Kp, xs, hdr, gb, 1, 1, res);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float *o = out + (m + r) * os + n;
+                for (int c = 0; c < T * TILE && n + c < N; c++) {
+                    const float v = res[r * 2 * TILE + c] * dq[m + r] + (bias ? bias[n + c] : 0.f);
+                    o[c] = accumulate ? o[c] + v : v;
+                }
+            }
+            m += rows;
+        }
+    }
+    free(buffers);
+    return 1;
+}
 #else
 /* Weight k of channel c in a group's packed bytes u. */
 static inline int32_t packed_weight(const uint8_t *u, int bits, int64_t k, int c) {
@@ -333,6 +450,9 @@ void rk_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const u
         for (int64_t k = 0; k < G; k++) sum += x[k];
         xsum[i] = (float)sum;
     }
+#ifdef RK_AVX2
+    if (M >= WIDE_ROWS && wide_linear(q, dq, M, Kp, w, G, bits, bias, N, out, os, accumulate, xsum)) return;
+#endif
 #pragma omp parallel for schedule(static) if (tiles * Kp * M > 32768)
     for (int64_t b = 0; b < tiles; b++) {
         const int64_t n = TILE * b;

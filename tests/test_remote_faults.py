@@ -131,7 +131,10 @@ def test_failover_before_first_byte(router, ups, behaviour, streaming):
         r = chat(router, "failover")
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == " w0 w1 w2"
-    assert len(primary.hits) == 1 and len(backup.hits) == 1 and backup.finished == 1
+    # (Once, in a CI run, the primary saw no request here and only the backup did; not reproduced
+    # since, under load either. The router's record of both says what happened if it recurs.)
+    seen = {n: deployment(router.url, "failover", u) for n, u in (("primary", primary), ("backup", backup))}
+    assert (len(primary.hits), len(backup.hits), backup.finished) == (1, 1, 1), seen
     if behaviour.startswith("slow"):
         # abandoned at its timeout, not awaited: the router hung up on it
         assert wait_for(lambda: primary.disconnects == 1)

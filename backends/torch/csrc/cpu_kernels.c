@@ -18,8 +18,8 @@
  * activation scales would be the next step for models with larger outliers.
  *
  * Built once per machine by backends/torch/native.py (cc -O3 -march=native -ffp-contract=off
- * -fopenmp) and called through ctypes. OpenMP resolves to the libgomp torch already loaded (same soname), so these
- * loops share torch's thread pool and its thread count.
+ * -fopenmp) and called through ctypes. OpenMP resolves to the libgomp torch already loaded (same
+ * soname), so these loops share torch's thread pool and its thread count.
  */
 #include <math.h>
 #include <stdint.h>
@@ -315,9 +315,10 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile,
 /* Batches of WIDE_ROWS rows and more take a second loop: per pair of tiles, every weight is
  * widened to int16 once into a buffer (Kp * 16 int16, in L1 or L2), then rows go through it two
  * at a time, a pair's four int32 and four float accumulators in registers. The narrow loop above
- * widens (and for 4 bits splits) the weights again for every 4 rows and keeps one tile: 20-30%
- * slower from 32 rows on; below 16 rows widening once does not pay. Per row the products and sums
- * are the same, in the same order, so both loops give the same bits. */
+ * widens (and for 4 bits splits) the weights again for every 4 rows and keeps one tile: a 32- or
+ * 64-sequence decode step took 5-11% longer with it (bench/decode_step.py); at 16 and 24 rows the
+ * two measured the same. Per row the products and sums are the same, in the same order, so both
+ * loops give the same bits. */
 #define WIDE_ROWS 16
 
 /* One group of one tile, widened: W[16 s + 2 c + j] = weight of input 2 s + j of channel c. */

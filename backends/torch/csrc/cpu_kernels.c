@@ -264,6 +264,20 @@ void rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t K
 
 static inline int64_t group_bytes(int64_t G, int bits) { return 8 * TILE + TILE * G * bits / 8; }
 
+/* Rows m .. m + rows - 1 of out, channels n .. n + width - 1 (those below N), from res (row stride
+ * rs): res * dq[row] + bias, stored or added. Both matmul loops end here, so a row gets the same
+ * bits whichever of them computed it. */
+static inline void store_rows(const float *res, int64_t rs, int64_t m, int64_t rows, const float *dq, int64_t n,
+                              int64_t width, int64_t N, const float *bias, float *out, int64_t os, int accumulate) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + (m + r) * os + n;
+        for (int64_t c = 0; c < width && n + c < N; c++) {
+            const float v = res[r * rs + c] * dq[m + r] + (bias ? bias[n + c] : 0.f);
+            o[c] = accumulate ? o[c] + v : v;
+        }
+    }
+}
+
 #ifdef RK_AVX2
 /* R rows (R <= 4) of the batch against one tile: res[r * TILE + c]. */
 static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile, int64_t NG, int64_t G,
@@ -415,13 +429,7 @@ static int wide_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp,
                 if (rows == 2) wide_rows(W, NG, G, x, Kp, xs, hdr, gb, 2, 1, res);
                 else wide_rows(W, NG, G, x, Kp, xs, hdr, gb, 1, 1, res);
             }
-            for (int64_t r = 0; r < rows; r++) {
-                float *o = out + (m + r) * os + n;
-                for (int c = 0; c < T * TILE && n + c < N; c++) {
-                    const float v = res[r * 2 * TILE + c] * dq[m + r] + (bias ? bias[n + c] : 0.f);
-                    o[c] = accumulate ? o[c] + v : v;
-                }
-            }
+            store_rows(res, 2 * TILE, m, rows, dq, n, T * TILE, N, bias, out, os, accumulate);
             m += rows;
         }
     }
@@ -489,13 +497,7 @@ void rk_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const u
                 }
             }
 #endif
-            for (int64_t r = 0; r < rows; r++) {
-                float *o = out + (m + r) * os + n;
-                for (int c = 0; c < TILE && n + c < N; c++) {
-                    float v = res[r * TILE + c] * dq[m + r] + (bias ? bias[n + c] : 0.f);
-                    o[c] = accumulate ? o[c] + v : v;
-                }
-            }
+            store_rows(res, TILE, m, rows, dq, n, TILE, N, bias, out, os, accumulate);
             m += rows;
         }
     }

@@ -30,17 +30,23 @@ from backends.torch import native  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-ARGTYPES = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _I, _P, _P]
+# Up to ABI 6 the caller passed the scores' scratch and a table row per sequence; from ABI 7 each
+# row names its table row (prompt chunks share one) and the kernel keeps its own scratch.
+ARGTYPES_6 = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _I, _P, _P]
+ARGTYPES = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, _P]
 
 
 def build(source: Path, workdir: Path, name: str):
-    """``rk_decode_attention`` from ``source``, compiled as the engine compiles its kernels."""
+    """``rk_decode_attention`` from ``source``, compiled as the engine compiles its kernels, and
+    the library's ABI number."""
     target = workdir / f"{name}.so"
     cmd = [native._compiler(), *native._FLAGS, "-fopenmp", str(source), "-o", str(target), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True)
-    fn = ctypes.CDLL(str(target)).rk_decode_attention
-    fn.argtypes, fn.restype = ARGTYPES, None
-    return fn
+    lib = ctypes.CDLL(str(target))
+    abi = lib.rk_abi()
+    fn = lib.rk_decode_attention
+    fn.argtypes, fn.restype = (ARGTYPES_6, None) if abi <= 6 else (ARGTYPES, ctypes.c_int)
+    return fn, abi
 
 
 class Step:
@@ -64,16 +70,23 @@ class Step:
         angles = torch.arange(context)[:, None] * torch.rand(DIM, generator=g)[None]
         self.cos, self.sin = angles.cos().contiguous(), angles.sin().contiguous()
         self.scratch = torch.empty(m * HEADS * context)
+        self.table_of = torch.arange(m)
         self.out = torch.empty(m, HEADS * DIM)
 
-    def run(self, fn) -> None:
+    def run(self, kernel) -> None:
+        fn, abi = kernel
         for k, v in self.caches:
-            fn(
+            head = (
                 self.qkv.data_ptr(), self.m, self.qkv.shape[1], HEADS, KV_HEADS, DIM, self.positions.data_ptr(),
                 self.cos.data_ptr(), self.sin.data_ptr(), k.data_ptr(), v.data_ptr(), self.slots.data_ptr(),
-                self.table.data_ptr(), self.table.shape[1], self.lengths.data_ptr(), BLOCK, 0, DIM**-0.5,
-                self.context, self.scratch.data_ptr(), self.out.data_ptr(),
+                self.table.data_ptr(), self.table.shape[1],
             )
+            if abi <= 6:
+                fn(*head, self.lengths.data_ptr(), BLOCK, 0, DIM**-0.5, self.context, self.scratch.data_ptr(),
+                   self.out.data_ptr())
+            elif not fn(*head, self.table_of.data_ptr(), self.lengths.data_ptr(), BLOCK, 0, DIM**-0.5, self.context,
+                        self.out.data_ptr()):
+                raise MemoryError("rk_decode_attention could not allocate its scratch")
 
 
 def main() -> None:

@@ -334,14 +334,78 @@ def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads
     want = want.squeeze(2).reshape(m, heads * dim)
 
     out = torch.empty(m, heads * dim)
-    scratch = torch.empty(m * heads * context)
-    len_t = torch.tensor(lengths)
-    k.decode_attention(
+    len_t, tab_of = torch.tensor(lengths), torch.arange(m)
+    assert k.decode_attention(
         qkv.data_ptr(), m, qkv.shape[1], heads, kv_heads, dim, positions.data_ptr(),
         rotary.cos.data_ptr(), rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        slot.data_ptr(), table_t.data_ptr(), width, len_t.data_ptr(), bs, window or 0, dim**-0.5,
-        context, scratch.data_ptr(), out.data_ptr(),
+        slot.data_ptr(), table_t.data_ptr(), width, tab_of.data_ptr(), len_t.data_ptr(), bs, window or 0,
+        dim**-0.5, context, out.data_ptr(),
     )
     torch.testing.assert_close(k_cache, ref_k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v_cache, ref_v)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,bs,sequences",
+    [
+        # (cached positions, new tokens) per sequence: a decoding one, a chunk after a cached
+        # prefix that crosses blocks, a whole short prompt.
+        (4, 2, 16, 4, [(8, 1), (5, 8), (0, 4)]),
+        (9, 3, 64, 16, [(0, 40), (33, 1), (20, 17)]),  # SmolLM2's shape
+        (4, 4, 8, 1, [(3, 3)]),  # no GQA, one-token blocks, a chunk alone
+    ],
+)
+@pytest.mark.parametrize("window", [None, 6])
+def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, bs, window, sequences):
+    """A prompt chunk is a row per token over one shared block table: each token attends to the
+    cached prefix and to the chunk's tokens up to itself, whatever the other rows of the step."""
+    torch.manual_seed(dim + len(sequences))
+    rotary = Rotary(spec(heads, kv_heads, dim, window), 256)
+    blocks_per_seq = [-(-(c + n) // bs) for c, n in sequences]
+    perm = torch.randperm(sum(blocks_per_seq) + 2).tolist()  # blocks scattered over the cache
+    tables, at = [], 0
+    for b in blocks_per_seq:
+        tables.append(perm[at : at + b])
+        at += b
+    width = max(blocks_per_seq)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    slots = (sum(blocks_per_seq) + 2) * bs
+    k_cache, v_cache = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    positions, tab_of = [], []
+    for j, (cached, n) in enumerate(sequences):
+        positions += range(cached, cached + n)
+        tab_of += [j] * n
+    slot_of = lambda j, p: tables[j][p // bs] * bs + p % bs  # noqa: E731
+    slot = torch.tensor([slot_of(j, p) for j, p in zip(tab_of, positions)])
+    m = len(positions)
+    qkv = torch.randn(m, (heads + 2 * kv_heads) * dim)
+
+    # Reference: rotate, write every new key and value, then each row on its own with softmax.
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    pos_t = torch.tensor(positions)
+    cos, sin = rotary.tables(pos_t, torch.float32)
+    qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(m, -1, dim), cos, sin, dim // 2)
+    ref_k.index_copy_(0, slot, qk[:, heads:])
+    ref_v.index_copy_(0, slot, qkv[:, (heads + kv_heads) * dim :].view(m, kv_heads, dim))
+    want = torch.empty(m, heads, dim)
+    for r, (j, p) in enumerate(zip(tab_of, positions)):
+        first = max(0, p + 1 - window) if window else 0
+        seen = torch.tensor([slot_of(j, i) for i in range(first, p + 1)])
+        for h in range(heads):
+            kvh = h // (heads // kv_heads)
+            weights = torch.softmax(ref_k[seen, kvh] @ qk[r, h] * dim**-0.5, dim=0)
+            want[r, h] = weights @ ref_v[seen, kvh]
+
+    out = torch.empty(m, heads * dim)
+    lengths = torch.tensor(positions) + 1
+    tab_t = torch.tensor(tab_of)
+    assert k.decode_attention(
+        qkv.data_ptr(), m, qkv.shape[1], heads, kv_heads, dim, pos_t.data_ptr(),
+        rotary.cos.data_ptr(), rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slot.data_ptr(), table_t.data_ptr(), width, tab_t.data_ptr(), lengths.data_ptr(), bs, window or 0,
+        dim**-0.5, int(lengths.max()), out.data_ptr(),
+    )
+    torch.testing.assert_close(k_cache, ref_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache, ref_v)
+    torch.testing.assert_close(out, want.view(m, heads * dim), rtol=1e-4, atol=1e-5)

@@ -8,19 +8,26 @@ import asyncio
 import pytest
 
 from backends.torch import TorchConfig
+from backends.torch.cpu_decode import PROMPT_POSITIONS, prompt_positions
+from backends.torch.scheduler import Scheduled
+from backends.torch.sequence import Sequence
 from backends.torch.setup import build_engine
+from router.engine import EngineRequest, SamplingParams
 from test_torch_engine import LENGTHS, PROMPTS, engine_for, generate, generate_all, random_prompts, run
 from torch_models import smollm2_folder, tiny_checkpoint
 
 
 def counting_decoder(engine):
-    """Count the steps the C decode path runs (it must be the one under test)."""
+    """Count the steps the C path runs (it must be the one under test): all of them in ``n``,
+    those that mix decode rows and prompt chunks in ``mixed``."""
     decoder = engine.runner.decoder
-    calls = {"n": 0}
+    calls = {"n": 0, "mixed": 0}
     logits = decoder.logits
 
     def counted(step):
         calls["n"] += 1
+        decodes = sum(w.is_decode for w in step.work)
+        calls["mixed"] += 0 < decodes < len(step.work)
         return logits(step)
 
     decoder.logits = counted
@@ -79,10 +86,29 @@ def test_packed_batched_equals_alone_and_stays_close_to_float32(smol_packed):
     assert calls["n"] >= max(lengths) - 1
     # Rows are quantized one by one and the kernel's loops give a row the same bits whatever the
     # batch, so in a decode step a sequence's tokens do not depend on its neighbours, however many.
-    # (A row that shares a step of more than 8 rows with a prefill chunk goes through the fp16 copy
-    # instead and may differ by rounding; here all prompts prefill in the first step, as each did
-    # alone.)
     assert [b == a[: len(b)] for a, b in zip(alone + alone[:4], batched)] == [True] * 12
+
+    # Staggered: each request starts once the one before it has 3 tokens, so its prompt is
+    # computed in a step with the others' decode rows, also in C, and nothing changes either.
+    async def staggered():
+        outs = [[] for _ in ids]
+        started = [asyncio.Event() for _ in ids]
+
+        async def one(i):
+            if i:
+                await started[i - 1].wait()
+            req = EngineRequest("t", ids[i], SamplingParams(temperature=0.0), 32, ignore_eos=True)
+            async for out in smol_packed.generate(req):
+                outs[i] += out.token_ids
+                if len(outs[i]) >= 3:
+                    started[i].set()
+
+        await asyncio.gather(*(one(i) for i in range(len(ids))))
+        return outs
+
+    calls["n"] = calls["mixed"] = 0
+    assert run(staggered()) == alone
+    assert calls["mixed"] >= len(ids) - 1
 
     native = engine_for(folder)
     try:
@@ -97,6 +123,38 @@ def test_packed_batched_equals_alone_and_stays_close_to_float32(smol_packed):
     agree = [next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), 32) for ours, ref in zip(alone, reference)]
     assert min(agree) >= 24, agree
     assert sum(a == 32 for a in agree) >= 7, agree
+
+
+def test_long_prompt_chunks_run_as_torch_operations(smol_packed):
+    """The C attention takes a token and head at a time: a step whose prompt chunks attend to more
+    than PROMPT_POSITIONS positions runs as torch operations, the decode steps after it in C."""
+    calls = counting_decoder(smol_packed)
+    short, long = random_prompts(3, (100, 300))
+    assert prompt_positions_of(short) <= PROMPT_POSITIONS < prompt_positions_of(long)
+    run(generate(smol_packed, short, 4))
+    assert calls["n"] == 4  # the prompt's step and three decode steps
+    calls["n"] = 0
+    run(generate(smol_packed, long, 4))
+    assert calls["n"] == 3
+
+
+def prompt_positions_of(prompt):
+    seq = Sequence(EngineRequest("t", prompt, SamplingParams(), 1), lambda _: None, 16)
+    return prompt_positions([Scheduled(seq, len(prompt))])
+
+
+@pytest.mark.parametrize(
+    "computed,new,want",
+    [(0, 1, 1), (0, 4, 10), (5, 3, 6 + 7 + 8), (0, 128, 8256), (0, 256, 32896)],
+)
+def test_prompt_positions_counts_what_each_token_attends_to(computed, new, want):
+    seq = Sequence(EngineRequest("t", list(range(computed + new + 1)), SamplingParams(), 1), lambda _: None, 16)
+    seq.num_computed = computed
+    assert prompt_positions([Scheduled(seq, new)]) == want
+    # A decoding sequence's row adds nothing: decode rows always run in C.
+    seq2 = Sequence(EngineRequest("t", [1, 2, 3], SamplingParams(), 1), lambda _: None, 16)
+    seq2.num_computed = 2
+    assert prompt_positions([Scheduled(seq2, 1), Scheduled(seq, new)]) == want
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

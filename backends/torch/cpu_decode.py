@@ -1,32 +1,58 @@
-"""Decode steps of an int8 or int4 model on the CPU, in one C call.
+"""Engine steps of an int8 or int4 model on the CPU, in one C call.
 
 At batch 1 the int8 projections read the whole model in about 9 ms on 2 cores; the same step run
 as torch operations spends as long again dispatching some 3,000 small ones (norms, rotary, the
 cache gather, attention, residual adds), and even one Python call per kernel (270 a step) cost
-3 ms. For a step that only decodes, ``rk_decode_step`` runs the whole model; per layer:
+3 ms. ``rk_decode_step`` runs the whole model over a step's rows, one per new token; per layer:
 
     RMSNorm + quantize -> qkv -> rotary + cache write + attention -> quantize -> o_proj (added to
     the residual) -> RMSNorm + quantize -> gate_up -> SiLU * up + quantize -> down_proj (added)
 
-and the final norm and LM head. The model's weights are described to C once (:class:`RkModel`);
-a step passes only its tokens' places. Every other step (prefill chunks, other weight formats)
-runs :class:`.model.CausalLM` as written. The numbers are those of the packed format's C-kernel
-path up to float rounding (tested token for token).
+and the final norm and LM head for the rows that sample. The model's weights are described to C
+once (:class:`RkModel`); a step passes only its tokens' places. The numbers are those of the
+packed format's C-kernel path up to float rounding (tested token for token), and a row's are the
+same whatever else the step holds.
 
-Large decode batches come here too. Matrix by matrix, fbgemm's fp16 GEMM (what the torch path
-uses above :data:`~.quantize.SMALL_BATCH` rows) keeps pace with the C kernel there, but the torch
-operations around the projections cost more: a 32-sequence step took 184 ms as torch operations
-and 134 ms here (bench/decode_step.py --rows 32 --torch-ops).
+Which steps: every step that decodes, whatever its size, and the steps where prompt chunks join
+them, unless those chunks are long (:data:`PROMPT_POSITIONS`); those, and other weight formats,
+run :class:`.model.CausalLM` as written. Matrix by matrix, fbgemm's fp16 GEMM (what the torch path
+uses above :data:`~.quantize.SMALL_BATCH` rows) keeps pace with the C kernel, but the torch
+operations around the projections cost more: a 32-sequence decode step took 184 ms as torch
+operations and 134 ms here (bench/decode_step.py --rows 32 --torch-ops); with arrivals staggered
+over 32 streams, a step that decodes about 30 sequences and prefills a short prompt took 264 ms
+as torch operations and 167 ms here.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from .kv_cache import KVCache
 from .model import CausalLM
 from .quantize import PackedLinear
-from .scheduler import DecodeRows, Step
+from .scheduler import Scheduled, Step
+
+PROMPT_POSITIONS = 16_384
+"""Above this many (prompt token, attended position) pairs in a step, the step runs as torch
+operations: the C attention takes each token and head on its own, which SDPA beats for long
+chunks. ``bench/prompt_step.py``, 1-token generations, C against torch operations, in ms (two
+runs): a 128-token prompt (8,256 pairs) 380 / 335 against 447 / 445, a 256-token one (32,896)
+629 / 663 against 588 / 582, a 512-token one 1,631 / 1,507 against 1,417 / 1,276; 32 prompts of
+16 tokens (4,352 pairs) 987 / 1,124 against 1,143 / 1,154."""
+
+
+def prompt_positions(work: list[Scheduled]) -> int:
+    """Attention pairs of the prompt chunks in ``work``: a chunk of n tokens from position s
+    attends to s + 1, ..., s + n positions."""
+    total = 0
+    for w in work:
+        if not w.is_decode:
+            s, n = w.seq.num_computed, w.num_new
+            total += n * s + n * (n + 1) // 2
+    return total
+
 
 class CpuDecoder:
     """Runs pure-decode steps of ``model`` (all its linears :class:`~.quantize.PackedLinear`)."""
@@ -44,6 +70,7 @@ class CpuDecoder:
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("CpuDecoder needs float32, contiguous CPU tensors (KV cache and embeddings)")
         self._k = kernels()
+        self.prompt_positions = PROMPT_POSITIONS
         self.model = model
         self.kv = kv
         self.spec = spec
@@ -88,21 +115,20 @@ class CpuDecoder:
             raise ValueError("CpuDecoder needs one width (8 or 4 bits) for every projection of the layers")
 
     def accepts(self, step: Step) -> bool:
-        """Whether this step only decodes (one new token per sequence, whatever their number)."""
+        """Whether this step runs here: any number of decoding sequences, and prompt chunks whose
+        tokens attend to at most ``prompt_positions`` positions in all (:data:`PROMPT_POSITIONS`;
+        0 keeps every prompt chunk on the torch path)."""
         work = step.work
-        return len(work) > 0 and all(w.is_decode for w in work)
+        return len(work) > 0 and prompt_positions(work) <= self.prompt_positions
 
     def logits(self, step: Step) -> torch.Tensor:
-        """Logits ``[len(step.work), vocab]`` for a step :meth:`accepts` (every row samples)."""
+        """Logits ``[number of sampling rows, vocab]`` for a step, in the order of ``step.work``."""
         spec = self.spec
-        bs = self.kv.block_size
-        work = step.work
-        m = len(work)
-        rows = DecodeRows.of(work, bs, 0)
-        width = rows.width
-        max_len = max(rows.lengths)
-        pos_t, slot_t, len_t, table_t = (
-            torch.tensor(xs, dtype=torch.long) for xs in (rows.positions, rows.slots, rows.lengths, rows.tables)
+        rows = StepRows.of(step.work, self.kv.block_size)
+        m, s = len(rows.ids), len(rows.sampled)
+        pos_t, slot_t, len_t, tab_of_t, table_t, out_t = (
+            torch.tensor(xs, dtype=torch.long)
+            for xs in (rows.positions, rows.slots, rows.lengths, rows.table_of, rows.tables, rows.sampled)
         )
         x = self.model.embed_tokens.weight.index_select(0, torch.tensor(rows.ids, dtype=torch.long))  # the residual
         f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
@@ -111,12 +137,48 @@ class CpuDecoder:
         qkv = f32(m, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim)
         attn = f32(m, spec.num_heads * spec.head_dim)
         gate_up = f32(m, 2 * spec.intermediate_size)
-        scores = f32(m * spec.num_heads * max_len)
         xsum = f32(m * self._kp // self._plan.group)
-        logits = f32(m, self._plan.vocab)
-        self._k.decode_step(
-            self._plan, m, x.data_ptr(), pos_t.data_ptr(), slot_t.data_ptr(), table_t.data_ptr(), width,
-            len_t.data_ptr(), max_len, q.data_ptr(), dq.data_ptr(), tmp.data_ptr(), qkv.data_ptr(),
-            attn.data_ptr(), gate_up.data_ptr(), scores.data_ptr(), xsum.data_ptr(), logits.data_ptr(),
+        logits = f32(s, self._plan.vocab)
+        ok = self._k.decode_step(
+            self._plan, m, x.data_ptr(), pos_t.data_ptr(), slot_t.data_ptr(), table_t.data_ptr(), rows.width,
+            tab_of_t.data_ptr(), len_t.data_ptr(), max(rows.lengths), out_t.data_ptr(), s, q.data_ptr(),
+            dq.data_ptr(), tmp.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), xsum.data_ptr(),
+            logits.data_ptr(),
         )
+        if not ok:
+            raise MemoryError("no memory for the attention scores of this step")
         return logits
+
+
+@dataclass(slots=True)
+class StepRows:
+    """A step's inputs for ``rk_decode_step`` as plain lists, one row per new token: its id,
+    position, cache slot and the context length after it, which of the block tables it reads
+    (one per sequence, padded to ``width`` with block 0, never read past a row's length), and the
+    rows whose logits are wanted (a decoding sequence's token, a prompt's last token)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    table_of: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    width: int = 0
+
+    @classmethod
+    def of(cls, work: list[Scheduled], block_size: int) -> "StepRows":
+        rows = cls(width=max(len(w.seq.block_table) for w in work))
+        for j, w in enumerate(work):
+            seq, start = w.seq, w.seq.num_computed
+            table = seq.block_table
+            for p in range(start, start + w.num_new):
+                rows.ids.append(seq.tokens[p])
+                rows.positions.append(p)
+                rows.slots.append(table[p // block_size] * block_size + p % block_size)
+                rows.lengths.append(p + 1)
+                rows.table_of.append(j)
+            rows.tables.append(table + [0] * (rows.width - len(table)))
+            if w.samples:
+                rows.sampled.append(len(rows.ids) - 1)
+        return rows

@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 6
+ABI = 7
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -89,14 +89,14 @@ class CpuKernels:
         self.silu_mul_quantize.restype = None
         self.decode_attention = lib.rk_decode_attention
         self.decode_attention.argtypes = [
-            _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _I, _P, _P,
+            _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, _P,
         ]
-        self.decode_attention.restype = None
+        self.decode_attention.restype = ctypes.c_int
         self.decode_step = lib.rk_decode_step
         self.decode_step.argtypes = [
-            ctypes.POINTER(RkModel), _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P,
+            ctypes.POINTER(RkModel), _I, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P,
         ]
-        self.decode_step.restype = None
+        self.decode_step.restype = ctypes.c_int
 
 
 _lock = threading.Lock()

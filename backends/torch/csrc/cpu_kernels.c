@@ -33,13 +33,21 @@
 #define RK_AVX2 1
 #endif
 
-int rk_abi(void) { return 6; }
+int rk_abi(void) { return 7; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
 #else
     return 1;
+#endif
+}
+
+static int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
 #endif
 }
 
@@ -181,22 +189,27 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const f
     }
 }
 
-/* One decode step's attention for M sequences, one new token each, over the paged KV cache.
+/* One step's attention for M rows (new tokens) over the paged KV cache.
  *
  * qkv [M, (H + 2 KVH) D] (row stride qs): q, k, v of the new tokens, before rotary; q and k are
  * rotated in place. k and v are written to the cache at slot[m]; then every head attends over
- * positions [start, len[m]) of its sequence, a position's slot being
- * table[m, p / bs] * bs + p % bs (start = len - window with a sliding window, else 0).
- * cos, ssin: [max_len, D] tables (see model.Rotary). out [M, H D]. scratch: M H max_len floats.
+ * positions [start, len[m]) of its row's sequence, a position's slot being
+ * table[tab_of[m], p / bs] * bs + p % bs (start = len - window with a sliding window, else 0).
+ * A decoding sequence is one row; a prompt chunk is one row per token, each with its own position
+ * and length over the same table row, so it attends causally to the chunk's earlier tokens (every
+ * row's keys are in the cache before any row attends).
+ * cos, ssin: [max_len, D] tables (see model.Rotary). out [M, H D]. scratch: max_len floats for each
+ * of the rk_threads() threads.
  *
- * Heads are shared out between threads. The cache is walked a block at a time (the positions of
- * a block are consecutive slots), and its float32 rows come from memory every step (the weights
- * have pushed them out of cache), so long contexts are bound by reading them.
+ * Heads are shared out between threads, a few at a time as they come free (rows' lengths differ).
+ * The cache is walked a block at a time (the positions of a block are consecutive slots), and its
+ * float32 rows come from memory every step (the weights have pushed them out of cache), so long
+ * contexts are bound by reading them.
  */
-void rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D,
-                         const int64_t *pos, const float *cos, const float *ssin, float *k_cache, float *v_cache,
-                         const int64_t *slot, const int64_t *table, int64_t tw, const int64_t *len, int64_t bs,
-                         int64_t window, float scale, int64_t max_len, float *scratch, float *out) {
+static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
+                      const float *cos, const float *ssin, float *k_cache, float *v_cache, const int64_t *slot,
+                      const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t bs,
+                      int64_t window, float scale, int64_t max_len, float *scratch, float *out) {
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * qs;
         rotate(row, H + KVH, D, cos + pos[m] * D, ssin + pos[m] * D);
@@ -204,14 +217,18 @@ void rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t K
         memcpy(v_cache + slot[m] * KVH * D, row + (H + KVH) * D, (size_t)(KVH * D) * sizeof(float));
     }
     const int64_t group = H / KVH, stride = KVH * D;
-    /* Only the first few tokens stay on one thread: waking the team costs more than the work. */
-#pragma omp parallel for schedule(static) if (M * H * max_len >= 512)
+    /* From 4 rows threads take whole rows in turn (a row's heads read the same keys; neighbouring
+     * rows of a prompt chunk attend to about as many positions); fewer rows are cut into one run
+     * of heads per thread. Only the first few tokens stay on one thread: waking the team costs
+     * more than the work. */
+    const int64_t threads = rk_threads(), share = M >= 4 ? H : (M * H + threads - 1) / threads;
+#pragma omp parallel for schedule(static, share) if (M * H * max_len >= 512)
     for (int64_t mh = 0; mh < M * H; mh++) {
         const int64_t m = mh / H, h = mh % H, kvh = h / group;
         const float *q = qkv + m * qs + h * D;
-        const int64_t *tab = table + m * tw;
+        const int64_t *tab = table + tab_of[m] * tw;
         const int64_t end = len[m], start = window > 0 && end > window ? end - window : 0;
-        float *s = scratch + mh * max_len, mx = -INFINITY;
+        float *s = scratch + thread_index() * max_len, mx = -INFINITY;
         for (int64_t p = start; p < end;) { /* a block's run of positions at a time */
             const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
             const float *k = k_cache + (tab[p / bs] * bs + off) * stride + kvh * D;
@@ -249,6 +266,19 @@ void rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t K
             p += n;
         }
     }
+}
+
+/* attention() with its scratch; 0 when that cannot be allocated. */
+int rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
+                        const float *cos, const float *ssin, float *k_cache, float *v_cache, const int64_t *slot,
+                        const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t bs,
+                        int64_t window, float scale, int64_t max_len, float *out) {
+    float *scratch = malloc((size_t)(rk_threads() * max_len) * sizeof(float));
+    if (!scratch) return 0;
+    attention(qkv, M, qs, H, KVH, D, pos, cos, ssin, k_cache, v_cache, slot, table, tw, tab_of, len, bs, window,
+              scale, max_len, scratch, out);
+    free(scratch);
+    return 1;
 }
 
 /* Layout of a packed weight (see quantize.pack_weight): tiles of TILE output channels; in a tile,
@@ -389,14 +419,6 @@ static inline __attribute__((always_inline)) void wide_rows(const int16_t *W, in
         for (int t = 0; t < T; t++) _mm256_storeu_ps(res + r * 2 * TILE + t * TILE, f[r][t]);
 }
 
-static int thread_index(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
 /* rk_linear for M >= WIDE_ROWS (xsum filled); 0 when the widening buffer cannot be had. */
 static int wide_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const uint8_t *w, int64_t G,
                        int bits, const float *bias, int64_t N, float *out, int64_t os, int accumulate,
@@ -523,22 +545,29 @@ typedef struct {
     int bits, lm_head_bits; /* of the layers' projections, of the LM head: 8 or 4 */
 } rk_model;
 
-/* x [M, hidden]: the new tokens' embeddings in, the residual stream throughout. Positions, slots,
- * block tables and lengths as rk_decode_attention takes them. Scratch: q [M, max kp] int16,
- * dq [M], tmp [max(hidden, inter)], qkv, attn, gate_up (one row each per sequence), scores
- * [M heads max_len], xsum [M max kp / group]. Out: logits [M, vocab]. */
-void rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, const int64_t *slot,
-                    const int64_t *table, int64_t tw, const int64_t *len, int64_t max_len, int16_t *q, float *dq,
-                    float *tmp, float *qkv, float *attn, float *gate_up, float *scores, float *xsum, float *logits) {
+/* One engine step: decoding sequences and prompt chunks alike, a row per new token.
+ *
+ * x [M, hidden]: the new tokens' embeddings in, the residual stream throughout. Positions, slots,
+ * block tables, each row's table row and lengths as attention() takes them. Only the S rows listed
+ * in out_rows (ascending) reach the final norm and the LM head: a decoding sequence's row and the
+ * last row of a prompt's final chunk; the rows of other chunks only fill the cache. Scratch:
+ * q [M, max kp] int16, dq [M], tmp [max(hidden, inter)], qkv, attn, gate_up (one row each per
+ * token), xsum [M max kp / group]. Out: logits [S, vocab]. Returns 0 (nothing computed) when the
+ * attention's scratch cannot be allocated. */
+int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, const int64_t *slot,
+                   const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t max_len,
+                   const int64_t *out_rows, int64_t S, int16_t *q, float *dq, float *tmp, float *qkv, float *attn,
+                   float *gate_up, float *xsum, float *logits) {
     const int64_t H = md->hidden, I = md->inter, D = md->head_dim;
     const int64_t qkv_size = (md->heads + 2 * md->kv_heads) * D, attn_size = md->heads * D;
+    float *scores = malloc((size_t)(rk_threads() * max_len) * sizeof(float));
+    if (!scores) return 0;
     for (int64_t i = 0; i < md->num_layers; i++) {
         const rk_layer *l = md->layers + i;
         rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
         rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
-        rk_decode_attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, md->cos, md->sin, l->k_cache,
-                            l->v_cache, slot, table, tw, len, md->block_size, md->window, md->scale, max_len, scores,
-                            attn);
+        attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, md->cos, md->sin, l->k_cache, l->v_cache, slot,
+                  table, tw, tab_of, len, md->block_size, md->window, md->scale, max_len, scores, attn);
         rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, x, H, 1, xsum);
         rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
@@ -547,6 +576,12 @@ void rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos,
         rk_silu_mul_quantize(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
         rk_linear(q, dq, M, l->down_kp, l->down, md->group, md->bits, l->down_bias, H, x, H, 1, xsum);
     }
-    rk_rmsnorm_quantize(x, M, H, H, md->final_norm, md->final_eps, tmp, md->lm_head_kp, q, dq);
-    rk_linear(q, dq, M, md->lm_head_kp, md->lm_head, md->group, md->lm_head_bits, NULL, md->vocab, logits, md->vocab, 0, xsum);
+    free(scores);
+    for (int64_t s = 0; s < S; s++) /* out_rows[s] >= s (ascending): no source is overwritten before it is read */
+        if (out_rows[s] != s) memcpy(x + s * H, x + out_rows[s] * H, (size_t)H * sizeof(float));
+    if (S == 0) return 1;
+    rk_rmsnorm_quantize(x, S, H, H, md->final_norm, md->final_eps, tmp, md->lm_head_kp, q, dq);
+    rk_linear(q, dq, S, md->lm_head_kp, md->lm_head, md->group, md->lm_head_bits, NULL, md->vocab, logits, md->vocab, 0,
+              xsum);
+    return 1;
 }

@@ -19,8 +19,8 @@ run :class:`.model.CausalLM` as written. Matrix by matrix, fbgemm's fp16 GEMM (w
 uses above :data:`~.quantize.SMALL_BATCH` rows) keeps pace with the C kernel, but the torch
 operations around the projections cost more: a 32-sequence decode step took 184 ms as torch
 operations and 134 ms here (bench/decode_step.py --rows 32 --torch-ops); with arrivals staggered
-over 32 streams, a step that decodes about 30 sequences and prefills a short prompt took 264 ms
-as torch operations and 167 ms here.
+over 32 streams, a step that decodes about 30 sequences and computes a short prompt took about
+250 ms as torch operations and 150 ms here (bench/staggered.py).
 """
 
 from __future__ import annotations

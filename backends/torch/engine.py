@@ -9,6 +9,9 @@ iterator aborts its sequence: its KV blocks are freed before the next step.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import gc
 import logging
 import threading
 from collections import defaultdict
@@ -49,6 +52,20 @@ class EngineOptions:
     # Decode-only steps on static buffers (graphs.py): "capture" replays CUDA graphs; "eager"
     # runs the same padded path without capturing (how it is tested without a GPU); "off".
     decode_graphs: str = "off"
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system. Loading dequantizes the checkpoint and
+    packing copies the weights; glibc keeps what they freed, and the KV cache allocated next
+    would come on top (``bench/engines.py --skip hf,llamacpp``, SmolLM2 at int4 with 1 GiB of
+    cache: peak RSS 2,346 MiB without this, 2,129 with it). A no-op where the C library has no
+    ``malloc_trim``."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 class TorchEngine:
@@ -119,6 +136,7 @@ class TorchEngine:
 
             (pack_int8_weights if options.weight_format == "int8" else pack_int4_weights)(self.model)
         self.model.rotary.to(torch.float32)  # the tables stay exact; cast per use
+        release_freed_memory()
         self.kv = KVCache.allocate(
             spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype, options.device
         )
@@ -126,7 +144,7 @@ class TorchEngine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_batched_tokens)
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
-        if options.weight_format in ("int8", "int4"):  # decode-only steps in one C call
+        if options.weight_format in ("int8", "int4"):  # steps that decode or compute short prompts: one C call
             from .cpu_decode import CpuDecoder
 
             decoder = CpuDecoder(self.model, self.kv)

@@ -41,7 +41,7 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
-        self.decoder = decoder  # the packed formats' C path for small decode-only steps
+        self.decoder = decoder  # the packed formats' one C call for steps that decode or compute short prompts
         self.graphs = graphs  # decode-only steps on static buffers (CUDA graphs)
         self.kv = kv
         self.sampler = sampler

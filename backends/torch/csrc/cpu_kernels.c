@@ -201,8 +201,7 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const f
  * cos, ssin: [max_len, D] tables (see model.Rotary). out [M, H D]. scratch: max_len floats for each
  * of the rk_threads() threads.
  *
- * Heads are shared out between threads, a few at a time as they come free (rows' lengths differ).
- * The cache is walked a block at a time (the positions of a block are consecutive slots), and its
+ * (row, head) pairs are shared out between threads (see the schedule below). The cache is walked a block at a time (the positions of a block are consecutive slots), and its
  * float32 rows come from memory every step (the weights have pushed them out of cache), so long
  * contexts are bound by reading them.
  */
@@ -217,11 +216,13 @@ static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH,
         memcpy(v_cache + slot[m] * KVH * D, row + (H + KVH) * D, (size_t)(KVH * D) * sizeof(float));
     }
     const int64_t group = H / KVH, stride = KVH * D;
-    /* From 4 rows threads take whole rows in turn (a row's heads read the same keys; neighbouring
-     * rows of a prompt chunk attend to about as many positions); fewer rows are cut into one run
-     * of heads per thread. Only the first few tokens stay on one thread: waking the team costs
-     * more than the work. */
-    const int64_t threads = rk_threads(), share = M >= 4 ? H : (M * H + threads - 1) / threads;
+    /* From 4 rows per thread, threads take whole rows in turn (a row's heads read the same keys;
+     * neighbouring rows of a prompt chunk attend to about as many positions, so turns even out
+     * their lengths); fewer rows are cut into one run of (row, head) pairs per thread, so every
+     * thread has work. Only the first few tokens stay on one thread: waking the team costs more
+     * than the work. */
+    const int64_t threads = rk_threads();
+    const int64_t share = M >= 4 * threads ? H : (M * H + threads - 1) / threads;
 #pragma omp parallel for schedule(static, share) if (M * H * max_len >= 512)
     for (int64_t mh = 0; mh < M * H; mh++) {
         const int64_t m = mh / H, h = mh % H, kvh = h / group;

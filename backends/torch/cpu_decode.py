@@ -25,14 +25,12 @@ over 32 streams, a step that decodes about 30 sequences and computes a short pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from .kv_cache import KVCache
 from .model import CausalLM
 from .quantize import PackedLinear
-from .scheduler import Scheduled, Step
+from .scheduler import Scheduled, Step, StepRows
 
 PROMPT_POSITIONS = 16_384
 """Above this many (prompt token, attended position) pairs in a step, the step runs as torch
@@ -149,36 +147,3 @@ class CpuDecoder:
             raise MemoryError("no memory for the attention scores of this step")
         return logits
 
-
-@dataclass(slots=True)
-class StepRows:
-    """A step's inputs for ``rk_decode_step`` as plain lists, one row per new token: its id,
-    position, cache slot and the context length after it, which of the block tables it reads
-    (one per sequence, padded to ``width`` with block 0, never read past a row's length), and the
-    rows whose logits are wanted (a decoding sequence's token, a prompt's last token)."""
-
-    ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
-    table_of: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)
-    width: int = 0
-
-    @classmethod
-    def of(cls, work: list[Scheduled], block_size: int) -> "StepRows":
-        rows = cls(width=max(len(w.seq.block_table) for w in work))
-        for j, w in enumerate(work):
-            seq, start = w.seq, w.seq.num_computed
-            table = seq.block_table
-            for p in range(start, start + w.num_new):
-                rows.ids.append(seq.tokens[p])
-                rows.positions.append(p)
-                rows.slots.append(table[p // block_size] * block_size + p % block_size)
-                rows.lengths.append(p + 1)
-                rows.table_of.append(j)
-            rows.tables.append(table + [0] * (rows.width - len(table)))
-            if w.samples:
-                rows.sampled.append(len(rows.ids) - 1)
-        return rows

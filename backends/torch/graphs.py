@@ -41,7 +41,7 @@ import torch
 from .attention import AttentionMetadata
 from .kv_cache import KVCache
 from .model import CausalLM
-from .scheduler import DecodeRows, Step
+from .scheduler import Step, StepRows
 
 GATHER_BYTES = 512 << 20  # keys and values one layer's attention gathers, at most, in a graph
 
@@ -186,7 +186,7 @@ class DecodeGraphs:
         the widest: table entries past a row's length, and padding rows' tables, may hold any
         block id (initially the scratch block), because the mask hides them."""
         n = len(step.work)
-        rows = DecodeRows.of(step.work, self.kv.block_size, self.scratch_block)
+        rows = StepRows.of(step.work, self.kv.block_size, self.scratch_block)
         pad = batch - n
         host = torch.tensor(
             [rows.ids + [0] * pad, rows.positions + [0] * pad, rows.slots + [self.scratch_slot] * pad,

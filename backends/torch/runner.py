@@ -13,7 +13,7 @@ from .attention import AttentionMetadata, PrefillSpan, decode_mask, prefill_mask
 from .kv_cache import KVCache
 from .model import CausalLM
 from .sampler import BatchSampler, RowSampling
-from .scheduler import Scheduled, Step
+from .scheduler import Scheduled, Step, StepRows
 
 if TYPE_CHECKING:
     from .cpu_decode import CpuDecoder
@@ -53,22 +53,11 @@ class ModelRunner:
 
     def prepare(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.kv.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
+        rows = StepRows.of(step.work, bs)
         decode = [w for w in step.work if w.is_decode]
-        for w in step.work:
-            seq, start, n = w.seq, w.seq.num_computed, w.num_new
-            table = seq.block_table
-            ids.extend(seq.tokens[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if w.samples:
-                logits_rows.append(len(ids) - 1)
         dev = self.device
         meta = AttentionMetadata(
-            self.kv.k, self.kv.v, torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+            self.kv.k, self.kv.v, torch.tensor(rows.slots, dtype=torch.long).to(dev, non_blocking=True)
         )
         if decode:
             meta.num_decode = len(decode)
@@ -90,7 +79,7 @@ class ModelRunner:
             )
             row += w.num_new
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
-        return as_tensor(ids), as_tensor(positions), meta, as_tensor(logits_rows)
+        return as_tensor(rows.ids), as_tensor(rows.positions), meta, as_tensor(rows.sampled)
 
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:

@@ -41,35 +41,38 @@ class Step:
 
 
 @dataclass(slots=True)
-class DecodeRows:
-    """The inputs of decode-only work, one row per sequence, as plain lists: its new token, the
-    token's position and cache slot, the context length after it, and the block table padded to
-    the widest (``width``) with a given block id."""
+class StepRows:
+    """A step's inputs as plain lists, one row per new token: its id, position and cache slot,
+    the context length after it, which of the block tables it reads (one per sequence, padded to
+    ``width`` with ``pad_block``; entries past a row's length are never read), and the rows
+    whose logits are wanted (a decoding sequence's token, the last token of a prompt's final
+    chunk). In a decode-only step, rows and sequences coincide."""
 
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    lengths: list[int]
-    tables: list[list[int]]
-    width: int
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    table_of: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    width: int = 0
 
     @classmethod
-    def of(cls, work: list[Scheduled], block_size: int, pad_block: int) -> "DecodeRows":
-        rows = cls([], [], [], [], [], max(len(w.seq.block_table) for w in work))
-        for w in work:
-            seq = w.seq
-            p = seq.num_computed
+    def of(cls, work: list[Scheduled], block_size: int, pad_block: int = 0) -> "StepRows":
+        rows = cls(width=max(len(w.seq.block_table) for w in work))
+        for j, w in enumerate(work):
+            seq, start = w.seq, w.seq.num_computed
             table = seq.block_table
-            rows.ids.append(seq.tokens[p])
-            rows.positions.append(p)
-            rows.slots.append(table[p // block_size] * block_size + p % block_size)
-            rows.lengths.append(p + 1)
+            for p in range(start, start + w.num_new):
+                rows.ids.append(seq.tokens[p])
+                rows.positions.append(p)
+                rows.slots.append(table[p // block_size] * block_size + p % block_size)
+                rows.lengths.append(p + 1)
+                rows.table_of.append(j)
             rows.tables.append(table + [pad_block] * (rows.width - len(table)))
+            if w.samples:
+                rows.sampled.append(len(rows.ids) - 1)
         return rows
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.work)
 
 
 class Scheduler:

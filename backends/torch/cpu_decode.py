@@ -53,7 +53,8 @@ def prompt_positions(work: list[Scheduled]) -> int:
 
 
 class CpuDecoder:
-    """Runs pure-decode steps of ``model`` (all its linears :class:`~.quantize.PackedLinear`)."""
+    """Runs the steps :meth:`accepts` of ``model`` (all its linears :class:`~.quantize.PackedLinear`)
+    in one C call each."""
 
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         from .native import RkLayer, RkModel, kernels

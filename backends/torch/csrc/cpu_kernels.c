@@ -189,6 +189,29 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const f
     }
 }
 
+#ifdef RK_AVX2
+/* o = sum over positions [start, end) of s[p - start] * inv * v[p], for D a multiple of 64: 64
+ * outputs at a time in eight registers, where axpy() loads and stores them for every position.
+ * The same multiply-adds in the same order, so the same bits. */
+static void weighted_values(float *o, const float *s, float inv, const float *v_cache, const int64_t *tab,
+                            int64_t start, int64_t end, int64_t bs, int64_t stride, int64_t kvh, int64_t D) {
+    for (int64_t d = 0; d < D; d += 64) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int64_t p = start; p < end;) {
+            const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
+            const float *v = v_cache + (tab[p / bs] * bs + off) * stride + kvh * D + d;
+            for (int64_t i = 0; i < n; i++, v += stride) {
+                const __m256 w = _mm256_set1_ps(s[p - start + i] * inv);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), a[j]);
+            }
+            p += n;
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d + 8 * j, a[j]);
+    }
+}
+#endif
+
 /* One step's attention for M rows (new tokens) over the paged KV cache.
  *
  * qkv [M, (H + 2 KVH) D] (row stride qs): q, k, v of the new tokens, before rotary; q and k are
@@ -258,8 +281,14 @@ static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH,
             total += s[p];
         }
         float *o = out + m * H * D + h * D;
-        memset(o, 0, (size_t)D * sizeof(float));
         const float inv = 1.f / total;
+#ifdef RK_AVX2
+        if (D % 64 == 0) {
+            weighted_values(o, s, inv, v_cache, tab, start, end, bs, stride, kvh, D);
+            continue;
+        }
+#endif
+        memset(o, 0, (size_t)D * sizeof(float));
         for (int64_t p = start; p < end;) {
             const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
             const float *v = v_cache + (tab[p / bs] * bs + off) * stride + kvh * D;

@@ -190,6 +190,29 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const f
 }
 
 #ifdef RK_AVX2
+/* dot(q, k + j * stride, D) for the 8 keys j = 0..7, D a multiple of 8: eight chains of
+ * multiply-adds side by side (dot() runs one per key, each waiting on the last), then the same
+ * pairwise sums as dot()'s, eight at a time, so the same bits. */
+static inline __m256 dot8(const float *q, const float *k, int64_t stride, int64_t D) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + c);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + j * stride + c), a[j]);
+    }
+    __m256 t[4]; /* [lo + hi of key 2j | lo + hi of key 2j + 1] */
+    for (int j = 0; j < 4; j++)
+        t[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * j], a[2 * j + 1], 0x31));
+    __m256 u[2]; /* elements 0 + 2 and 1 + 3 of each half */
+    for (int j = 0; j < 2; j++) {
+        const __m256d x = _mm256_castps_pd(t[2 * j]), y = _mm256_castps_pd(t[2 * j + 1]);
+        u[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    const __m256 sums = _mm256_hadd_ps(u[0], u[1]); /* keys 0 2 4 6 | 1 3 5 7 */
+    return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* o = sum over positions [start, end) of s[p - start] * inv * v[p], for D a multiple of 64: 64
  * outputs at a time in eight registers, where axpy() loads and stores them for every position.
  * The same multiply-adds in the same order, so the same bits. */
@@ -256,7 +279,16 @@ static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH,
         for (int64_t p = start; p < end;) { /* a block's run of positions at a time */
             const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
             const float *k = k_cache + (tab[p / bs] * bs + off) * stride + kvh * D;
-            for (int64_t i = 0; i < n; i++) {
+            int64_t i = 0;
+#ifdef RK_AVX2
+            if (D % 8 == 0)
+                for (; i + 8 <= n; i += 8) {
+                    float *at = s + p - start + i;
+                    _mm256_storeu_ps(at, _mm256_mul_ps(dot8(q, k + i * stride, stride, D), _mm256_set1_ps(scale)));
+                    for (int j = 0; j < 8; j++) mx = at[j] > mx ? at[j] : mx;
+                }
+#endif
+            for (; i < n; i++) {
                 const float v = dot(q, k + i * stride, D) * scale;
                 s[p - start + i] = v;
                 mx = v > mx ? v : mx;

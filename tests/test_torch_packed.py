@@ -129,7 +129,7 @@ def test_long_prompt_chunks_run_as_torch_operations(smol_packed):
     """The C attention takes a token and head at a time: a step whose prompt chunks attend to more
     than PROMPT_POSITIONS positions runs as torch operations, the decode steps after it in C."""
     calls = counting_decoder(smol_packed)
-    short, long = random_prompts(3, (100, 300))
+    short, long = random_prompts(3, (100, 400))
     assert prompt_positions_of(short) <= PROMPT_POSITIONS < prompt_positions_of(long)
     run(generate(smol_packed, short, 4))
     assert calls["n"] == 4  # the prompt's step and three decode steps
@@ -145,7 +145,7 @@ def prompt_positions_of(prompt):
 
 @pytest.mark.parametrize(
     "computed,new,want",
-    [(0, 1, 1), (0, 4, 10), (5, 3, 6 + 7 + 8), (0, 128, 8256), (0, 256, 32896)],
+    [(0, 1, 1), (0, 4, 10), (5, 3, 6 + 7 + 8), (0, 128, 8256), (0, 256, 32896), (0, 400, 80200)],
 )
 def test_prompt_positions_counts_what_each_token_attends_to(computed, new, want):
     seq = Sequence(EngineRequest("t", list(range(computed + new + 1)), SamplingParams(), 1), lambda _: None, 16)

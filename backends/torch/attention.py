@@ -8,7 +8,9 @@ cache slots, then attends:
 - each prefill chunk over its sequence's cached prefix plus itself, causally.
 
 Keys and values live in ``[num_slots, kv_heads, head_dim]`` tensors per layer; a sequence's slots
-are ``block * block_size + offset`` for the blocks of its block table.
+are ``block * block_size + offset`` for the blocks of its block table. The cache may hold a
+narrower type than the model computes in (``kv_cache_dtype``): new keys and values are rounded
+into it, gathered ones widened back.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim]."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.num_decode and not meta.prefills:
         return _decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
@@ -69,8 +71,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     n, context = meta.decode_slots.shape
     kv_heads, dim = k_cache.shape[1:]
     idx = meta.decode_slots.reshape(-1)
-    keys = k_cache.index_select(0, idx).view(n, context, kv_heads, dim).transpose(1, 2)
-    values = v_cache.index_select(0, idx).view(n, context, kv_heads, dim).transpose(1, 2)
+    keys = k_cache.index_select(0, idx).to(q.dtype).view(n, context, kv_heads, dim).transpose(1, 2)
+    values = v_cache.index_select(0, idx).to(q.dtype).view(n, context, kv_heads, dim).transpose(1, 2)
     # The query heads that share a KV head (heads j*g .. j*g+g-1 use KV head j) stand in for
     # that head's query positions: equal head counts, so every SDPA backend takes it (on CUDA
     # the memory-efficient kernel, which refuses enable_gqa in many torch versions), and one
@@ -83,8 +85,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
-    keys = k_cache.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
-    values = v_cache.index_select(0, span.slots).transpose(0, 1).unsqueeze(0)
+    keys = k_cache.index_select(0, span.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+    values = v_cache.index_select(0, span.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         keys,

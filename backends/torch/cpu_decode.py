@@ -57,17 +57,21 @@ class CpuDecoder:
     in one C call each."""
 
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
-        from .native import RkLayer, RkModel, kernels
+        from .native import KV_KINDS, RkLayer, RkModel, kernels
 
         spec = model.spec
         if spec.head_dim % 2:
             raise ValueError(f"head_dim {spec.head_dim} is not supported by the CPU decode kernels")
         if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
             raise ValueError("CpuDecoder needs every projection packed (int8 or int4)")
-        # C writes float32 keys and values straight into these tensors.
+        # C writes keys and values straight into these tensors, and reads the embeddings as floats.
         for t in (*kv.k, *kv.v, model.embed_tokens.weight):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("CpuDecoder needs float32, contiguous CPU tensors (KV cache and embeddings)")
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("CpuDecoder needs contiguous CPU tensors (KV cache and embeddings)")
+        if model.embed_tokens.weight.dtype != torch.float32:
+            raise ValueError("CpuDecoder needs float32 embeddings")
+        if kv.k[0].dtype not in KV_KINDS or any(t.dtype != kv.k[0].dtype for t in (*kv.k, *kv.v)):
+            raise ValueError(f"CpuDecoder needs a KV cache of one of {[str(d) for d in KV_KINDS]}")
         self._k = kernels()
         self.prompt_positions = PROMPT_POSITIONS
         self.model = model
@@ -106,7 +110,7 @@ class CpuDecoder:
             window=spec.sliding_window or 0, scale=spec.head_dim**-0.5, final_eps=model.norm.eps,
             layers=layers, final_norm=f32(model.norm.weight), cos=f32(model.rotary.cos), sin=f32(model.rotary.sin),
             lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
-            bits=model.layers[0].self_attn.qkv_proj.bits, lm_head_bits=head.bits,
+            bits=model.layers[0].self_attn.qkv_proj.bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],
         )
         if any(lin.group != self._plan.group for lin in linears):
             raise ValueError("CpuDecoder needs one group size for every projection")

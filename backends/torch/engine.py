@@ -41,6 +41,7 @@ class EngineOptions:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: dtype
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
@@ -113,7 +114,8 @@ class TorchEngine:
         if options.device.type == "cuda":
             # Streams, graph captures and synchronizations of this thread use the current device.
             torch.cuda.set_device(options.device)
-        per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype)
+        kv_dtype = options.kv_dtype or options.dtype
+        per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         num_blocks = max(1, options.kv_cache_bytes // per_block)
         graphs = options.decode_graphs != "off"
         # Static decode steps need one block the pool never hands out (padding rows write there).
@@ -138,7 +140,7 @@ class TorchEngine:
         self.model.rotary.to(torch.float32)  # the tables stay exact; cast per use
         release_freed_memory()
         self.kv = KVCache.allocate(
-            spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, options.dtype, options.device
+            spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, options.device
         )
         self.pool = BlockPool(pool_blocks, options.block_size, prefix_caching=options.prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_batched_tokens)

@@ -21,14 +21,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-import torch  # noqa: F401  (loaded first on purpose: see the module docstring)
+import torch  # loaded before the library on purpose: see the module docstring
 
 from .loader import cache_dir
 
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 7
+ABI = 8
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -58,8 +58,12 @@ class RkModel(ctypes.Structure):
         ("layers", ctypes.POINTER(RkLayer)),
         ("final_norm", _P), ("cos", _P), ("sin", _P),
         ("lm_head", _P), ("lm_head_kp", _I),
-        ("bits", ctypes.c_int), ("lm_head_bits", ctypes.c_int),
+        ("bits", ctypes.c_int), ("lm_head_bits", ctypes.c_int), ("kv_kind", ctypes.c_int),
     ]
+
+
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""The KV cache element types the kernels read and write (``kv_kind`` in C)."""
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -89,7 +93,7 @@ class CpuKernels:
         self.silu_mul_quantize.restype = None
         self.decode_attention = lib.rk_decode_attention
         self.decode_attention.argtypes = [
-            _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, _P,
+            _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, ctypes.c_int, _P,
         ]
         self.decode_attention.restype = ctypes.c_int
         self.decode_step = lib.rk_decode_step

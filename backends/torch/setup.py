@@ -55,6 +55,7 @@ def build_engine(config, path: Path) -> TorchEngine:  # type: ignore[no-untyped-
     options = EngineOptions(
         device=device,
         dtype=dtype,
+        kv_dtype=None if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype],
         max_model_len=config.max_model_len or 0,
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
@@ -67,8 +68,9 @@ def build_engine(config, path: Path) -> TorchEngine:  # type: ignore[no-untyped-
     )
     engine = TorchEngine(load, options)
     log.info(
-        "torch engine: %s %s, %d KV blocks of %d tokens, context %d, decode graphs %s",
-        device, str(dtype).removeprefix("torch."), engine.pool.num_blocks, config.block_size, engine.max_model_len,
+        "torch engine: %s %s, %d %s KV blocks of %d tokens, context %d, decode graphs %s",
+        device, str(dtype).removeprefix("torch."), engine.pool.num_blocks,
+        str(engine.kv.k[0].dtype).removeprefix("torch."), config.block_size, engine.max_model_len,
         options.decode_graphs,
     )
     return engine

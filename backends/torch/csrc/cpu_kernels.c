@@ -28,12 +28,12 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RK_AVX2 1
 #endif
 
-int rk_abi(void) { return 7; }
+int rk_abi(void) { return 8; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -152,28 +152,103 @@ void rk_silu_mul_quantize(const float *gu, int64_t M, int64_t I, int64_t gs, flo
     }
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
+/* The KV cache's element types (kv_cache_dtype): float32, or float16 and bfloat16 at half the
+ * bytes. A key or value is rounded to nearest even when written, as torch's .to() rounds it (so
+ * the torch path and this one write the same bits), and widened to float32 when read: the
+ * attention computes in float32 either way. */
+enum { RK_F32 = 0, RK_F16 = 1, RK_BF16 = 2 };
+
+static inline uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float32 -> float16, nearest even; 65,520 and above become infinity, NaN stays NaN. */
+static inline uint16_t f16_round(float f) {
+    uint32_t x = bits_of(f);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    x &= 0x7fffffffu;
+    uint16_t h;
+    if (x >= 0x47800000u) /* 2^16 and above, infinities, NaN */
+        h = x > 0x7f800000u ? 0x7e00 : 0x7c00;
+    else if (x < 0x38800000u) /* below 2^-14: float16's subnormals, whose step (2^-24) is 0.5's ulp */
+        h = (uint16_t)(bits_of(float_of(x) + 0.5f) - 0x3f000000u);
+    else /* exponent rebased (-112 << 23), then half the dropped 13 bits' range, ties to even */
+        h = (uint16_t)((x + 0xc8000fffu + ((x >> 13) & 1)) >> 13);
+    return h | sign;
+}
+
+static inline float f16_widen(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0x1f) return float_of(sign | 0x7f800000u | m << 13);
+    if (e == 0) return float_of(sign | bits_of((float)m * 0x1p-24f));
+    return float_of(sign | (e + 112) << 23 | m << 13);
+}
+
+/* float32 -> bfloat16, nearest even (torch's rounding; NaN becomes its quiet NaN). */
+static inline uint16_t bf16_round(float f) {
+    const uint32_t x = bits_of(f);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
+}
+
+static inline float kv_load(const void *c, int64_t i, const int kind) {
+    if (kind == RK_F32) return ((const float *)c)[i];
+    const uint16_t h = ((const uint16_t *)c)[i];
+    return kind == RK_F16 ? f16_widen(h) : float_of((uint32_t)h << 16);
+}
+
+/* n floats of x into the cache from element i. */
+static void kv_store(void *c, int64_t i, const float *x, int64_t n, int kind) {
+    if (kind == RK_F32) {
+        memcpy((float *)c + i, x, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)c + i;
+    for (int64_t j = 0; j < n; j++) h[j] = kind == RK_F16 ? f16_round(x[j]) : bf16_round(x[j]);
+}
+
+#ifdef RK_AVX2
+static inline __m256 kv_load8(const void *c, int64_t i, const int kind) {
+    if (kind == RK_F32) return _mm256_loadu_ps((const float *)c + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)c + i));
+    if (kind == RK_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* q . cache[at .. at + n) */
+static inline float dot(const float *q, const void *c, int64_t at, int64_t n, const int kind) {
     int64_t i = 0;
     float s = 0.f;
 #ifdef RK_AVX2
     __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load8(c, at + i, kind), acc);
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     s = _mm_cvtss_f32(lo);
 #endif
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i < n; i++) s += q[i] * kv_load(c, at + i, kind);
     return s;
 }
 
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
+/* y += a * cache[at .. at + n) */
+static inline void axpy(float *y, float a, const void *c, int64_t at, int64_t n, const int kind) {
     int64_t i = 0;
 #ifdef RK_AVX2
     const __m256 va = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, kv_load8(c, at + i, kind), _mm256_loadu_ps(y + i)));
 #endif
-    for (; i < n; i++) y[i] += a * x[i];
+    for (; i < n; i++) y[i] += a * kv_load(c, at + i, kind);
 }
 
 /* Rotary embedding in place on `heads` vectors of D: x * cos + roll(x, D/2) * signed_sin. */
@@ -189,16 +264,29 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const f
     }
 }
 
+/* Ask for one head's rows of the block holding position p (from p to the block's end or `end`):
+ * blocks are scattered over the cache, so the hardware prefetcher, which follows one address
+ * stream, loses the way at every block, and each block's first rows would wait for memory. */
+static inline void prefetch_block(const void *c, const int64_t *tab, int64_t p, int64_t end, int64_t bs,
+                                  int64_t stride, int64_t kvh, int64_t D, int64_t esize) {
+    if (p >= end) return;
+    const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
+    const char *row = (const char *)c + ((tab[p / bs] * bs + off) * stride + kvh * D) * esize;
+    for (int64_t i = 0; i < n; i++, row += stride * esize)
+        for (int64_t b = 0; b < D * esize; b += 64) __builtin_prefetch(row + b);
+}
+
 #ifdef RK_AVX2
-/* dot(q, k + j * stride, D) for the 8 keys j = 0..7, D a multiple of 8: eight chains of
+/* dot(q, cache, at + j * stride, D) for the 8 keys j = 0..7, D a multiple of 8: eight chains of
  * multiply-adds side by side (dot() runs one per key, each waiting on the last), then the same
  * pairwise sums as dot()'s, eight at a time, so the same bits. */
-static inline __m256 dot8(const float *q, const float *k, int64_t stride, int64_t D) {
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *c, int64_t at, int64_t stride,
+                                                        int64_t D, const int kind) {
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; c += 8) {
-        const __m256 qc = _mm256_loadu_ps(q + c);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + j * stride + c), a[j]);
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qd, kv_load8(c, at + j * stride + d, kind), a[j]);
     }
     __m256 t[4]; /* [lo + hi of key 2j | lo + hi of key 2j + 1] */
     for (int j = 0; j < 4; j++)
@@ -213,27 +301,110 @@ static inline __m256 dot8(const float *q, const float *k, int64_t stride, int64_
     return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* o = sum over positions [start, end) of s[p - start] * inv * v[p], for D a multiple of 64: 64
- * outputs at a time in eight registers, where axpy() loads and stores them for every position.
- * The same multiply-adds in the same order, so the same bits. */
-static void weighted_values(float *o, const float *s, float inv, const float *v_cache, const int64_t *tab,
-                            int64_t start, int64_t end, int64_t bs, int64_t stride, int64_t kvh, int64_t D) {
-    for (int64_t d = 0; d < D; d += 64) {
-        __m256 a[8];
-        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-        for (int64_t p = start; p < end;) {
-            const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
-            const float *v = v_cache + (tab[p / bs] * bs + off) * stride + kvh * D + d;
-            for (int64_t i = 0; i < n; i++, v += stride) {
-                const __m256 w = _mm256_set1_ps(s[p - start + i] * inv);
-                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), a[j]);
+#endif
+
+/* RK_SHARE: query heads at most that one pass over a KV head's keys and values serves. */
+#define RK_SHARE 8
+
+#ifdef RK_AVX2
+/* o[g] += sum over positions [p, p + n) of s[g][p - start] * inv[g] * v[p], for the nh heads g,
+ * D a multiple of 64: 64 outputs at a time in eight registers, where axpy() loads and stores them
+ * for every position. A block's values stay in the L1 cache for the heads after the first. The
+ * same multiply-adds in the same order as axpy()'s, so the same bits. */
+static inline __attribute__((always_inline)) void weighted_values(
+    float *o, int64_t nh, const float *s, int64_t ss, const float *inv, const void *v_cache, int64_t at, int64_t p,
+    int64_t n, int64_t start, int64_t stride, int64_t D, const int kind) {
+    for (int64_t g = 0; g < nh; g++)
+        for (int64_t d = 0; d < D; d += 64) {
+            float *out = o + g * D + d;
+            const float *w = s + g * ss + p - start;
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(out + 8 * j);
+            int64_t x = at + d;
+            for (int64_t i = 0; i < n; i++, x += stride) {
+                const __m256 wi = _mm256_set1_ps(w[i] * inv[g]);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(wi, kv_load8(v_cache, x + 8 * j, kind), a[j]);
             }
-            p += n;
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + 8 * j, a[j]);
         }
-        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d + 8 * j, a[j]);
-    }
 }
 #endif
+
+/* nh query heads (at most RK_SHARE) on one KV head: o[g] [D] = softmax(q[g] . keys * scale) .
+ * values over positions [start, end) of the sequence whose block table is tab; q and o hold
+ * the heads D apart. s: nh rows of scratch, ss floats apart. Each key and value is read from
+ * memory once for all the heads (GQA: 3 query heads share a KV head in SmolLM2), and a block's
+ * rows are fetched while the one before is computed. Inlined once per element type, so each
+ * loop reads its cache's type without a branch. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, int64_t nh, const void *k_cache, const void *v_cache, const int64_t *tab, int64_t start,
+    int64_t end, int64_t bs, int64_t stride, int64_t kvh, int64_t D, float scale, float *s, int64_t ss, float *o,
+    const int kind) {
+    const int64_t esize = kind == RK_F32 ? 4 : 2;
+    float mx[RK_SHARE], inv[RK_SHARE];
+    for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
+    for (int64_t p = start; p < end;) { /* a block's run of positions at a time */
+        const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
+        const int64_t at = (tab[p / bs] * bs + off) * stride + kvh * D;
+        prefetch_block(k_cache, tab, p + n, end, bs, stride, kvh, D, esize);
+        int64_t i = 0;
+#ifdef RK_AVX2
+        if (D % 8 == 0)
+            for (; i + 8 <= n; i += 8)
+                for (int64_t g = 0; g < nh; g++) {
+                    float *to = s + g * ss + p - start + i;
+                    const __m256 v = dot8(q + g * D, k_cache, at + i * stride, stride, D, kind);
+                    _mm256_storeu_ps(to, _mm256_mul_ps(v, _mm256_set1_ps(scale)));
+                    for (int j = 0; j < 8; j++) mx[g] = to[j] > mx[g] ? to[j] : mx[g];
+                }
+#endif
+        for (; i < n; i++)
+            for (int64_t g = 0; g < nh; g++) {
+                const float v = dot(q + g * D, k_cache, at + i * stride, D, kind) * scale;
+                s[g * ss + p - start + i] = v;
+                mx[g] = v > mx[g] ? v : mx[g];
+            }
+        p += n;
+    }
+    prefetch_block(v_cache, tab, start, end, bs, stride, kvh, D, esize); /* the values' first block */
+    for (int64_t g = 0; g < nh; g++) {
+        float *sg = s + g * ss, total = 0.f;
+        int64_t p = 0;
+#ifdef RK_AVX2
+        __m256 vt = _mm256_setzero_ps();
+        for (; p + 8 <= end - start; p += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), _mm256_set1_ps(mx[g])));
+            _mm256_storeu_ps(sg + p, e);
+            vt = _mm256_add_ps(vt, e);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vt);
+        for (int j = 0; j < 8; j++) total += lanes[j];
+#endif
+        for (; p < end - start; p++) {
+            sg[p] = expf(sg[p] - mx[g]);
+            total += sg[p];
+        }
+        inv[g] = 1.f / total;
+    }
+    memset(o, 0, (size_t)(nh * D) * sizeof(float));
+    for (int64_t p = start; p < end;) {
+        const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
+        const int64_t at = (tab[p / bs] * bs + off) * stride + kvh * D;
+        prefetch_block(v_cache, tab, p + n, end, bs, stride, kvh, D, esize);
+#ifdef RK_AVX2
+        if (D % 64 == 0) {
+            weighted_values(o, nh, s, ss, inv, v_cache, at, p, n, start, stride, D, kind);
+            p += n;
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < nh; g++)
+            for (int64_t i = 0; i < n; i++)
+                axpy(o + g * D, s[g * ss + p - start + i] * inv[g], v_cache, at + i * stride, D, kind);
+        p += n;
+    }
+}
 
 /* One step's attention for M rows (new tokens) over the paged KV cache.
  *
@@ -244,102 +415,64 @@ static void weighted_values(float *o, const float *s, float inv, const float *v_
  * A decoding sequence is one row; a prompt chunk is one row per token, each with its own position
  * and length over the same table row, so it attends causally to the chunk's earlier tokens (every
  * row's keys are in the cache before any row attends).
- * cos, ssin: [max_len, D] tables (see model.Rotary). out [M, H D]. scratch: max_len floats for each
- * of the rk_threads() threads.
+ * cos, ssin: [max_len, D] tables (see model.Rotary). out [M, H D]. scratch: RK_SHARE * max_len
+ * floats for each of the rk_threads() threads. kind: the caches' element type (RK_F32, RK_F16,
+ * RK_BF16).
  *
- * (row, head) pairs are shared out between threads (see the schedule below). The cache is walked
- * a block at a time (the positions of a block are consecutive slots), and its float32 rows come
- * from memory every step (the weights have pushed them out of cache), so long contexts are bound
- * by reading them.
+ * The work is cut into units, a row's query heads on one KV head each (or a single head, when
+ * there are too few rows to keep every thread busy), shared out between threads (see the
+ * schedule below). The cache is walked a block at a time (the positions of a block are
+ * consecutive slots), and its rows come from memory every step (the weights have pushed them out
+ * of cache), so long contexts are bound by reading them: 16-bit caches read half as much.
  */
 static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
-                      const float *cos, const float *ssin, float *k_cache, float *v_cache, const int64_t *slot,
+                      const float *cos, const float *ssin, void *k_cache, void *v_cache, const int64_t *slot,
                       const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t bs,
-                      int64_t window, float scale, int64_t max_len, float *scratch, float *out) {
+                      int64_t window, float scale, int64_t max_len, int kind, float *scratch, float *out) {
+    const int64_t group = H / KVH, stride = KVH * D;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * qs;
         rotate(row, H + KVH, D, cos + pos[m] * D, ssin + pos[m] * D);
-        memcpy(k_cache + slot[m] * KVH * D, row + H * D, (size_t)(KVH * D) * sizeof(float));
-        memcpy(v_cache + slot[m] * KVH * D, row + (H + KVH) * D, (size_t)(KVH * D) * sizeof(float));
+        kv_store(k_cache, slot[m] * stride, row + H * D, stride, kind);
+        kv_store(v_cache, slot[m] * stride, row + (H + KVH) * D, stride, kind);
     }
-    const int64_t group = H / KVH, stride = KVH * D;
-    /* From 4 rows per thread, threads take whole rows in turn (a row's heads read the same keys;
-     * neighbouring rows of a prompt chunk attend to about as many positions, so turns even out
-     * their lengths); fewer rows are cut into one run of (row, head) pairs per thread, so every
-     * thread has work. Only the first few tokens stay on one thread: waking the team costs more
-     * than the work. */
+    /* Units: a row's heads on one KV head together (up to RK_SHARE of them), so its keys and
+     * values are read once; with fewer than two such units per thread, a head each instead, so
+     * that one sequence's attention still has work for every thread. From 4 rows per thread,
+     * threads take whole rows in turn (neighbouring rows of a prompt chunk attend to about as many
+     * positions, so turns even out their lengths); fewer rows are cut into one run of units per
+     * thread. Only the first few tokens stay on one thread: waking the team costs more than the
+     * work. */
     const int64_t threads = rk_threads();
-    const int64_t share = M >= 4 * threads ? H : (M * H + threads - 1) / threads;
+    const int64_t heads = M * KVH >= 2 * threads ? (group < RK_SHARE ? group : RK_SHARE) : 1;
+    const int64_t per_kvh = (group + heads - 1) / heads, per_row = KVH * per_kvh, units = M * per_row;
+    const int64_t share = M >= 4 * threads ? per_row : (units + threads - 1) / threads;
 #pragma omp parallel for schedule(static, share) if (M * H * max_len >= 512)
-    for (int64_t mh = 0; mh < M * H; mh++) {
-        const int64_t m = mh / H, h = mh % H, kvh = h / group;
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t m = u / per_row, kvh = u % per_row / per_kvh, h = kvh * group + u % per_kvh * heads;
+        const int64_t nh = (kvh + 1) * group - h < heads ? (kvh + 1) * group - h : heads;
         const float *q = qkv + m * qs + h * D;
         const int64_t *tab = table + tab_of[m] * tw;
         const int64_t end = len[m], start = window > 0 && end > window ? end - window : 0;
-        float *s = scratch + thread_index() * max_len, mx = -INFINITY;
-        for (int64_t p = start; p < end;) { /* a block's run of positions at a time */
-            const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
-            const float *k = k_cache + (tab[p / bs] * bs + off) * stride + kvh * D;
-            int64_t i = 0;
-#ifdef RK_AVX2
-            if (D % 8 == 0)
-                for (; i + 8 <= n; i += 8) {
-                    float *at = s + p - start + i;
-                    _mm256_storeu_ps(at, _mm256_mul_ps(dot8(q, k + i * stride, stride, D), _mm256_set1_ps(scale)));
-                    for (int j = 0; j < 8; j++) mx = at[j] > mx ? at[j] : mx;
-                }
-#endif
-            for (; i < n; i++) {
-                const float v = dot(q, k + i * stride, D) * scale;
-                s[p - start + i] = v;
-                mx = v > mx ? v : mx;
-            }
-            p += n;
-        }
-        float total = 0.f;
-        int64_t p = 0;
-#ifdef RK_AVX2
-        __m256 vt = _mm256_setzero_ps();
-        for (; p + 8 <= end - start; p += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), _mm256_set1_ps(mx)));
-            _mm256_storeu_ps(s + p, e);
-            vt = _mm256_add_ps(vt, e);
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vt);
-        for (int i = 0; i < 8; i++) total += lanes[i];
-#endif
-        for (; p < end - start; p++) {
-            s[p] = expf(s[p] - mx);
-            total += s[p];
-        }
-        float *o = out + m * H * D + h * D;
-        const float inv = 1.f / total;
-#ifdef RK_AVX2
-        if (D % 64 == 0) {
-            weighted_values(o, s, inv, v_cache, tab, start, end, bs, stride, kvh, D);
-            continue;
-        }
-#endif
-        memset(o, 0, (size_t)D * sizeof(float));
-        for (int64_t p = start; p < end;) {
-            const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
-            const float *v = v_cache + (tab[p / bs] * bs + off) * stride + kvh * D;
-            for (int64_t i = 0; i < n; i++) axpy(o, s[p - start + i] * inv, v + i * stride, D);
-            p += n;
-        }
+        float *s = scratch + thread_index() * RK_SHARE * max_len, *o = out + m * H * D + h * D;
+        if (kind == RK_F16)
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, s, max_len, o, RK_F16);
+        else if (kind == RK_BF16)
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, s, max_len, o, RK_BF16);
+        else
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, s, max_len, o, RK_F32);
     }
 }
 
 /* attention() with its scratch; 0 when that cannot be allocated. */
 int rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
-                        const float *cos, const float *ssin, float *k_cache, float *v_cache, const int64_t *slot,
+                        const float *cos, const float *ssin, void *k_cache, void *v_cache, const int64_t *slot,
                         const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t bs,
-                        int64_t window, float scale, int64_t max_len, float *out) {
-    float *scratch = malloc((size_t)(rk_threads() * max_len) * sizeof(float));
+                        int64_t window, float scale, int64_t max_len, int kind, float *out) {
+    float *scratch = malloc((size_t)(rk_threads() * RK_SHARE * max_len) * sizeof(float));
     if (!scratch) return 0;
     attention(qkv, M, qs, H, KVH, D, pos, cos, ssin, k_cache, v_cache, slot, table, tw, tab_of, len, bs, window,
-              scale, max_len, scratch, out);
+              scale, max_len, kind, scratch, out);
     free(scratch);
     return 1;
 }
@@ -595,7 +728,7 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down; /* packed weights */
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL: none */
     int64_t qkv_kp, o_kp, gate_up_kp, down_kp; /* padded input sizes */
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache; /* of the model's kv_kind */
 } rk_layer;
 
 typedef struct {
@@ -606,6 +739,7 @@ typedef struct {
     const uint8_t *lm_head;
     int64_t lm_head_kp;
     int bits, lm_head_bits; /* of the layers' projections, of the LM head: 8 or 4 */
+    int kv_kind; /* the KV cache's element type: RK_F32, RK_F16 or RK_BF16 */
 } rk_model;
 
 /* One engine step: decoding sequences and prompt chunks alike, a row per new token.
@@ -623,14 +757,14 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
                    float *gate_up, float *xsum, float *logits) {
     const int64_t H = md->hidden, I = md->inter, D = md->head_dim;
     const int64_t qkv_size = (md->heads + 2 * md->kv_heads) * D, attn_size = md->heads * D;
-    float *scores = malloc((size_t)(rk_threads() * max_len) * sizeof(float));
+    float *scores = malloc((size_t)(rk_threads() * RK_SHARE * max_len) * sizeof(float));
     if (!scores) return 0;
     for (int64_t i = 0; i < md->num_layers; i++) {
         const rk_layer *l = md->layers + i;
         rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
         rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
         attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, md->cos, md->sin, l->k_cache, l->v_cache, slot,
-                  table, tw, tab_of, len, md->block_size, md->window, md->scale, max_len, scores, attn);
+                  table, tw, tab_of, len, md->block_size, md->window, md->scale, max_len, md->kv_kind, scores, attn);
         rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, x, H, 1, xsum);
         rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import re
+import types
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
 
@@ -93,8 +96,9 @@ class RouterConfig(Struct, kw_only=True):
     """Folder relative paths in the file are resolved against."""
 
 
-def _where(exc: msgspec.ValidationError, prefix: str) -> str:
-    """``models[0].n_ctx: Expected `int`, got `str``` from msgspec's message."""
+def _where(exc: msgspec.ValidationError, prefix: str, schema: type | None = None) -> str:
+    """``models[0].n_ctx: Expected `int`, got `str``` from msgspec's message; for a value outside
+    a fixed set of choices (a ``Literal`` field of ``schema``), the choices too."""
     text = str(exc)
     path = ""
     marker = " - at `$"
@@ -104,8 +108,33 @@ def _where(exc: msgspec.ValidationError, prefix: str) -> str:
     if text.startswith("Object contains unknown field `"):
         name = text.split("`")[1]
         path, text = f"{path}.{name}", "unknown key"
+    if text.startswith("Invalid enum value") and schema is not None:
+        choices = _choices(schema, path)
+        if choices:
+            text = f"{text}; one of {choices}"
     where = f"{prefix}{path}".lstrip(".") or "(top level)"
     return f"{where}: {text}"
+
+
+def _choices(schema: Any, path: str) -> list[Any] | None:
+    """The values a ``Literal`` field at ``path`` (``.a[0].b``) of struct ``schema`` allows."""
+    tp = _bare(schema)
+    for name, index in re.findall(r"\.(\w+)|\[(\d+)\]", path):
+        if index:  # list[X] -> X
+            args = typing.get_args(tp)
+            tp = _bare(args[0]) if args else None
+        elif isinstance(tp, type) and issubclass(tp, Struct):
+            tp = _bare(next((f.type for f in msgspec.structs.fields(tp) if f.name == name), None))
+        else:
+            return None
+    return list(typing.get_args(tp)) if typing.get_origin(tp) is Literal else None
+
+
+def _bare(tp: Any) -> Any:
+    """``tp`` without ``Annotated[...]`` and ``| None`` around it."""
+    while typing.get_origin(tp) in (Annotated, typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
 
 
 def load_config(
@@ -126,7 +155,7 @@ def parse_config(
     try:
         raw = msgspec.toml.decode(data, type=_RawConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError([_where(exc, "")]) from None
+        raise ConfigError([_where(exc, "", _RawConfig)]) from None
     except msgspec.DecodeError as exc:
         raise ConfigError([f"not valid TOML: {exc}"]) from None
     problems: list[str] = []
@@ -147,7 +176,7 @@ def parse_config(
         try:
             model = msgspec.convert(entry, type=backend.Config)
         except msgspec.ValidationError as exc:
-            problems.append(_where(exc, where))
+            problems.append(_where(exc, where, backend.Config))
             continue
         if model.name in seen:
             problems.append(f"{where}.name: `{model.name}` is already used by models[{seen[model.name]}]")

@@ -45,6 +45,13 @@ def test_unknown_backend_lists_the_registered_ones():
     assert "models[0].backend" in p and "vllm" in p and "llamacpp" in p
 
 
+def test_a_torch_kv_cache_dtype_outside_the_choices_names_them():
+    (p,) = problems('[[models]]\nname="a"\nbackend="torch"\npath="x"\nkv_cache_dtype="int8"\n')
+    assert p.startswith("models[0].kv_cache_dtype:") and "float16" in p and "bfloat16" in p
+    cfg = parse_config(b'[[models]]\nname="a"\nbackend="torch"\npath="x"\nkv_cache_dtype="float16"\n', BACKENDS)
+    assert cfg.models[0].kv_cache_dtype == "float16"
+
+
 def test_missing_backend():
     (p,) = problems('[[models]]\nname="a"\n')
     assert p.startswith("models[0].backend")

@@ -474,36 +474,43 @@ def test_16_bit_caches_round_as_torch_does(k, kv):
     assert torch.equal(out[finite], want.view(m, dim)[finite].float())
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_a_rows_attention_has_the_same_bits_alone_and_in_a_batch(k, kv):
-    """Alone, a sequence's heads go to the threads one by one; in a batch, a row's heads on one
-    KV head go together (one read of its keys and values serves them all). Each head's sums are
-    the same in the same order either way, so a sequence's output does not depend on the batch."""
+def test_a_rows_attention_has_the_same_bits_alone_and_in_a_batch(k, kv, window):
+    """Alone, a row's heads go to the threads one by one; in a batch, a row's heads on one KV
+    head go together (one read of its keys and values serves them all). Each head's sums are the
+    same in the same order either way, so a token's output does not depend on what else the step
+    holds: decoding rows and prompt chunks' rows alike."""
     torch.manual_seed(3)
     heads, kv_heads, dim, bs = 9, 3, 64, 16
-    lengths = [37, 100, 64, 5, 81]
-    rotary = Rotary(spec(heads, kv_heads, dim, None), 256)
-    per_seq = [-(-n // bs) for n in lengths]
+    # (cached positions, new tokens): a 40-token prompt, decoding rows, a chunk after a prefix
+    # that ends mid-block, a one-token chunk.
+    sequences = [(0, 40), (99, 1), (20, 17), (4, 1), (63, 12)]
+    rotary = Rotary(spec(heads, kv_heads, dim, window), 256)
+    per_seq = [-(-(c + n) // bs) for c, n in sequences]
     width = max(per_seq)
     perm = torch.randperm(sum(per_seq)).tolist()
-    table = torch.tensor([perm[sum(per_seq[:i]) : sum(per_seq[: i + 1])] + [0] * (width - b) for i, b in enumerate(per_seq)])
-    slots = sum(per_seq) * bs
-    k_cache, v_cache = torch.randn(slots, kv_heads, dim).to(kv), torch.randn(slots, kv_heads, dim).to(kv)
-    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * dim)
-    positions = torch.tensor(lengths) - 1
-    slot = torch.tensor([int(table[i, p // bs]) * bs + p % bs for i, p in enumerate(positions.tolist())])
+    tables = [perm[sum(per_seq[:i]) : sum(per_seq[: i + 1])] for i in range(len(sequences))]
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    k_cache = torch.randn(sum(per_seq) * bs, kv_heads, dim).to(kv)
+    v_cache = torch.randn(sum(per_seq) * bs, kv_heads, dim).to(kv)
+    of = [j for j, (c, n) in enumerate(sequences) for _ in range(n)]
+    positions = torch.tensor([p for c, n in sequences for p in range(c, c + n)])
+    slot = torch.tensor([tables[j][p // bs] * bs + p % bs for j, p in zip(of, positions.tolist())])
+    qkv = torch.randn(len(of), (heads + 2 * kv_heads) * dim)
 
     def attention(rows: list[int]) -> torch.Tensor:
-        x, pos, sl, lens = qkv[rows].clone(), positions[rows].clone(), slot[rows].clone(), torch.tensor(lengths)[rows]
-        tab = table[rows].contiguous()
-        tab_of, out = torch.arange(len(rows)), torch.empty(len(rows), heads * dim)
+        x, pos, sl = qkv[rows].clone(), positions[rows].clone(), slot[rows].clone()
+        lens, tab_of = pos + 1, torch.tensor([of[r] for r in rows])
+        out = torch.empty(len(rows), heads * dim)
         assert k.decode_attention(
             x.data_ptr(), len(rows), x.shape[1], heads, kv_heads, dim, pos.data_ptr(), rotary.cos.data_ptr(),
-            rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), sl.data_ptr(), tab.data_ptr(), width,
-            tab_of.data_ptr(), lens.data_ptr(), bs, 0, dim**-0.5, max(lengths), native.KV_KINDS[kv], out.data_ptr(),
+            rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), sl.data_ptr(), table.data_ptr(), width,
+            tab_of.data_ptr(), lens.data_ptr(), bs, window or 0, dim**-0.5, int(lens.max()), native.KV_KINDS[kv],
+            out.data_ptr(),
         )
         return out
 
-    together = attention(list(range(len(lengths))))
-    for i in range(len(lengths)):
-        assert torch.equal(attention([i])[0], together[i])
+    together = attention(list(range(len(of))))  # also writes every new key and value
+    for i in range(len(of)):
+        assert torch.equal(attention([i])[0], together[i]), i

@@ -59,15 +59,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             self.kv.k, self.kv.v, torch.tensor(rows.slots, dtype=torch.long).to(dev, non_blocking=True)
         )
-        if decode:
-            meta.num_decode = len(decode)
-            width = max(len(w.seq.block_table) for w in decode)
-            tables = torch.tensor(
-                [w.seq.block_table + [0] * (width - len(w.seq.block_table)) for w in decode], dtype=torch.long
-            ).to(dev, non_blocking=True)
-            lengths = torch.tensor([w.seq.num_computed + 1 for w in decode], dtype=torch.long).to(dev, non_blocking=True)
-            context = max(w.seq.num_computed + 1 for w in decode)
-            meta.decode_slots = (tables[:, :, None] * bs + self._offsets).view(len(decode), -1)[:, :context]
+        if decode:  # the step's first rows and tables, one of each per decoding sequence
+            n = meta.num_decode = len(decode)
+            tables = torch.tensor(rows.tables[:n], dtype=torch.long).to(dev, non_blocking=True)
+            lengths = torch.tensor(rows.lengths[:n], dtype=torch.long).to(dev, non_blocking=True)
+            context = max(rows.lengths[:n])
+            meta.decode_slots = (tables[:, :, None] * bs + self._offsets).view(n, -1)[:, :context]
             meta.decode_mask = decode_mask(lengths, context, self.window)
         row = len(decode)
         for w in step.work[len(decode) :]:

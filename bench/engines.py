@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch engine on cuda: every step eagerly (cuda_graphs = false)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="torch engine kv_cache_gb (default: the backend's, 1 GiB on cpu, 80%% of free memory on cuda)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="torch engine kv_cache_dtype (default: auto, the model's dtype)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="memory bandwidth for the torch c=1 bound (default on cuda: 4800, an H200; on cpu: not reported)")
     p.add_argument("--skip", type=lambda s: [x for x in s.split(",") if x], default=[],
@@ -91,6 +93,7 @@ def router_config(engine: str, args: argparse.Namespace) -> str:
             lines.append(f'weight_format = "{args.torch_weights}"')
         if args.kv_cache_gb is not None:
             lines.append(f"kv_cache_gb = {args.kv_cache_gb}")
+        lines.append(f'kv_cache_dtype = "{args.kv_cache_dtype}"')
         if args.no_cuda_graphs:
             lines.append("cuda_graphs = false")
     return "\n".join(["[[models]]", f'name = "{MODEL_NAME[engine]}"', f'path = "{GGUF}"', *lines, ""])

@@ -34,11 +34,14 @@ from .scheduler import Scheduled, Step, StepRows
 
 PROMPT_POSITIONS = 65_536
 """Above this many (prompt token, attended position) pairs in a step, the step runs as torch
-operations: the C attention takes each token and head on its own, which SDPA beats for long
-chunks at long contexts. ``bench/prompt_step.py``, 1-token generations, C against torch
-operations, in ms: a 256-token prompt (32,896 pairs) 509 against 552, a 512-token one (131,328)
-1,022 against 1,081, a 1,024-token one (two steps, the second 393,472 pairs) 2,582 against 2,231.
-(Before the attention's dot products ran eight keys at a time the crossing was below 32,896.)"""
+operations: the one C call falls behind them on long prompts (its int16 matmuls were about half
+of a 512-token step in a perf profile, its attention a tenth, growing with the pairs counted
+here; fbgemm's fp16 GEMM and SDPA keep up better). ``bench/prompt_step.py``, 1-token
+generations, C against torch operations, in ms: a 256-token prompt (32,896 pairs) 509 against
+552, a 512-token one (131,328) 1,022 against 1,081, a 1,024-token one (two steps, the second
+393,472 pairs) 2,582 against 2,231; on a faster host later, 390 / 411, 822 / 879 and 1,915 /
+1,945. (Before the attention's dot products ran eight keys at a time the crossing was below
+32,896.)"""
 
 
 def prompt_positions(work: list[Scheduled]) -> int:

@@ -1,5 +1,5 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / Qwen2 / Mistral checkpoints built from a config, no download."""
+random Llama / Qwen2 / Qwen3 / Mistral checkpoints built from a config, no download."""
 
 from __future__ import annotations
 
@@ -33,6 +33,15 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                              rope_theta=500000.0)
     elif arch == "qwen2":
         config = Qwen2Config(**{**common, "tie_word_embeddings": True}, rope_theta=1000000.0)
+    elif arch == "qwen2-window":  # the window on layer 1 only (max_window_layers), as transformers decides
+        config = Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    elif arch == "qwen2-yarn":
+        config = Qwen2Config(**common, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 128})
+    elif arch == "qwen3":  # per-head query and key norms, head_dim apart from hidden / heads
+        from transformers import Qwen3Config
+
+        config = Qwen3Config(**common, head_dim=24)
     elif arch == "mistral":
         config = MistralConfig(**common, sliding_window=8)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
@@ -45,6 +54,9 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)  # large enough that logits are far from ties
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     src = smollm2_folder()

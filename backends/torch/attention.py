@@ -11,6 +11,9 @@ Keys and values live in ``[num_slots, kv_heads, head_dim]`` tensors per layer; a
 are ``block * block_size + offset`` for the blocks of its block table. The cache may hold a
 narrower type than the model computes in (``kv_cache_dtype``): new keys and values are rounded
 into it, gathered ones widened back.
+
+Layers with a sliding window (all of Mistral's, some of Qwen2's or Qwen3's) take the step's
+window masks, the others its full ones; the runner builds only the kinds the model has.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class PrefillSpan:
     end: int
     slots: torch.Tensor  # [context] slot of every key the chunk attends to, in position order
     mask: torch.Tensor | None  # [chunk, context] True = attend; None = plain causal (no prefix)
+    window_mask: torch.Tensor | None = None  # the same for sliding-window layers
 
 
 @dataclass(slots=True)
@@ -41,6 +45,7 @@ class AttentionMetadata:
     num_decode: int = 0
     decode_slots: torch.Tensor | None = None  # [num_decode, max_context]
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] or None (no padding)
+    decode_window_mask: torch.Tensor | None = None  # the same for sliding-window layers
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -51,23 +56,29 @@ def paged_attention(
     meta: AttentionMetadata,
     layer: int,
     scale: float,
-    sliding_window: int | None = None,
+    sliding: bool = False,
 ) -> torch.Tensor:
-    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim]."""
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim].
+    ``sliding``: the layer attends within the model's sliding window (the window masks)."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    decode_mask = meta.decode_window_mask if sliding else meta.decode_mask
     if meta.num_decode and not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, decode_mask, scale)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, scale)
+        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, decode_mask, scale)
     for span in meta.prefills:
-        out[span.start : span.end] = _prefill(q[span.start : span.end], k_cache, v_cache, span, scale)
+        mask = span.window_mask if sliding else span.mask
+        out[span.start : span.end] = _prefill(q[span.start : span.end], k_cache, v_cache, span.slots, mask, scale)
     return out
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
     n, context = meta.decode_slots.shape
     kv_heads, dim = k_cache.shape[1:]
     idx = meta.decode_slots.reshape(-1)
@@ -79,20 +90,23 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     # [n, 1, 1, context] mask covers them all.
     group = q.shape[1] // kv_heads
     out = F.scaled_dot_product_attention(
-        q.reshape(n, kv_heads, group, dim), keys, values, attn_mask=meta.decode_mask, scale=scale
+        q.reshape(n, kv_heads, group, dim), keys, values, attn_mask=mask, scale=scale
     )
     return out.reshape(n, kv_heads * group, dim)
 
 
-def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
-    keys = k_cache.index_select(0, span.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-    values = v_cache.index_select(0, span.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+def _prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+    values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         keys,
         values,
-        attn_mask=span.mask,
-        is_causal=span.mask is None,
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )

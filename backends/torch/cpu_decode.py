@@ -5,8 +5,9 @@ as torch operations spends as long again dispatching some 3,000 small ones (norm
 cache gather, attention, residual adds), and even one Python call per kernel (270 a step) cost
 3 ms. ``rk_decode_step`` runs the whole model over a step's rows, one per new token; per layer:
 
-    RMSNorm + quantize -> qkv -> rotary + cache write + attention -> quantize -> o_proj (added to
-    the residual) -> RMSNorm + quantize -> gate_up -> SiLU * up + quantize -> down_proj (added)
+    RMSNorm + quantize -> qkv -> (Qwen3's head norms) -> rotary + cache write + attention (within
+    the layer's window, if any) -> quantize -> o_proj (added to the residual) -> RMSNorm +
+    quantize -> gate_up -> SiLU * up + quantize -> down_proj (added)
 
 and the final norm and LM head for the rows that sample. The model's weights are described to C
 once (:class:`RkModel`); a step passes only its tokens' places. The numbers are those of the
@@ -102,7 +103,10 @@ class CpuDecoder:
                 qkv_bias=qkv_b, o_bias=o_b, gate_up_bias=gu_b, down_bias=down_b,
                 qkv_kp=attn.qkv_proj.padded_in_features, o_kp=attn.o_proj.padded_in_features,
                 gate_up_kp=mlp.gate_up_proj.padded_in_features, down_kp=mlp.down_proj.padded_in_features,
-                k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(),
+                k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(), window=spec.window_of(i) or 0,
+                q_norm=f32(attn.q_norm.weight) if attn.q_norm is not None else None,
+                k_norm=f32(attn.k_norm.weight) if attn.k_norm is not None else None,
+                qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
             )
         self._layers = layers
         head = model.lm_head
@@ -110,7 +114,7 @@ class CpuDecoder:
             num_layers=spec.num_layers, hidden=spec.hidden_size, inter=spec.intermediate_size,
             heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             group=linears[0].group, vocab=head.out_features, block_size=kv.block_size,
-            window=spec.sliding_window or 0, scale=spec.head_dim**-0.5, final_eps=model.norm.eps,
+            scale=spec.head_dim**-0.5, final_eps=model.norm.eps,
             layers=layers, final_norm=f32(model.norm.weight), cos=f32(model.rotary.cos), sin=f32(model.rotary.sin),
             lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
             bits=model.layers[0].self_attn.qkv_proj.bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],

@@ -104,6 +104,7 @@ class DecodeGraphs:
         self.batches = batch_buckets(max_batch)
         self.blocks = block_buckets(max_blocks)
         self.window = model.spec.sliding_window
+        self.full_layers, self.window_layers = model.spec.mask_kinds
         bs = kv.block_size
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * bs
@@ -213,16 +214,11 @@ class DecodeGraphs:
         lengths = self.lengths[:batch, None]
         k_pos = self.key_positions[None, :context]
         mask = k_pos < lengths
-        if self.window is not None:
-            mask &= (lengths - 1) - k_pos < self.window
-        meta = AttentionMetadata(
-            self.kv.k,
-            self.kv.v,
-            self.slots[:batch],
-            num_decode=batch,
-            decode_slots=decode_slots,
-            decode_mask=mask[:, None, None, :],
-        )
+        meta = AttentionMetadata(self.kv.k, self.kv.v, self.slots[:batch], num_decode=batch, decode_slots=decode_slots)
+        if self.full_layers:
+            meta.decode_mask = mask[:, None, None, :]
+        if self.window_layers:
+            meta.decode_window_mask = (mask & ((lengths - 1) - k_pos < self.window))[:, None, None, :]
         return self.model(self.input_ids[:batch], self.positions[:batch], meta, self.rows[:batch])
 
     def _capture(self, batch: int, blocks: int) -> Any:

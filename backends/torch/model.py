@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) as plain torch modules.
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral) as plain torch modules.
 
-RMSNorm, rotary embeddings with the config's scaling, grouped-query attention over the paged KV
-cache, SwiGLU, tied or untied embeddings. Every forward pass works on a flat batch of tokens from
+RMSNorm, rotary embeddings with the config's scaling (linear, Llama 3, YaRN), grouped-query
+attention over the paged KV cache (sliding windows on all or some layers), Qwen3's per-head
+query and key norms, SwiGLU, tied or untied embeddings. Every forward pass works on a flat batch of tokens from
 many sequences at once (continuous batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
 """
@@ -43,8 +44,26 @@ class ModelSpec:
     mlp_bias: bool
     sliding_window: int | None
     o_bias: bool = False  # Llama/Mistral's attention_bias also puts a bias on o_proj (Qwen2's does not)
+    # The layers that attend within sliding_window; None: all of them (Mistral). Qwen2 and Qwen3
+    # slide only from max_window_layers on (their config's layer_types).
+    sliding_layers: tuple[int, ...] | None = None
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before rotary
 
-    SUPPORTED = ("llama", "qwen2", "mistral")
+    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+    ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention; None for full attention."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
+
+    @property
+    def mask_kinds(self) -> tuple[bool, bool]:
+        """Whether some layer attends to every earlier position, and whether some attends within
+        the sliding window: which masks a step needs."""
+        windows = {self.window_of(i) for i in range(self.num_layers)}
+        return None in windows, bool(windows - {None})
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "ModelSpec":
@@ -62,12 +81,14 @@ class ModelSpec:
         scaling = dict(scaling) if scaling else None
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
-                raise ModelError(f"rope scaling `{kind}` is not supported; supported: default, linear, llama3")
+            if kind not in cls.ROPE_SCALINGS:
+                raise ModelError(f"rope scaling `{kind}` is not supported; supported: {', '.join(cls.ROPE_SCALINGS)}")
             scaling["rope_type"] = kind
-        window = getattr(cfg, "sliding_window", None) if model_type != "llama" else None
-        if model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-            window = None
+            if kind == "yarn" and "original_max_position_embeddings" not in scaling:
+                scaling["original_max_position_embeddings"] = getattr(
+                    cfg, "original_max_position_embeddings", cfg.max_position_embeddings
+                )
+        window, sliding_layers = _sliding_window(cfg, model_type)
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -85,13 +106,36 @@ class ModelSpec:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             sliding_window=window,
             o_bias=bool(getattr(cfg, "attention_bias", False)) and model_type != "qwen2",
+            sliding_layers=sliding_layers,
+            qk_norm=model_type == "qwen3",
         )
 
 
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Inverse frequencies per rotary pair, with linear or Llama-3 scaling applied."""
+def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """The window and the layers that use it, as transformers decides them: Mistral slides on
+    every layer; Qwen2 and Qwen3 only with ``use_sliding_window``, on the layers ``layer_types``
+    names (transformers >= 4.53), else from ``max_window_layers`` on; Llama never."""
+    window = getattr(cfg, "sliding_window", None)
+    if model_type == "llama" or not window:
+        return None, None
+    if model_type == "mistral":
+        return int(window), None
+    if not getattr(cfg, "use_sliding_window", False):
+        return None, None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    else:
+        layers = tuple(range(getattr(cfg, "max_window_layers", 0), cfg.num_hidden_layers))
+    return (int(window), layers) if layers else (None, None)
+
+
+def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies per rotary pair with the config's scaling applied, and the factor
+    the cos and sin tables are multiplied by (YaRN's attention factor; 1 otherwise)."""
     dim = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv = 1.0 / (spec.rope_theta**exponents)
     scaling = spec.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
@@ -107,7 +151,44 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
-    return inv
+    elif kind == "yarn":
+        return _yarn(spec, scaling, exponents)
+    return inv, 1.0
+
+
+def _yarn(spec: ModelSpec, scaling: dict[str, Any], exponents: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: the fast-rotating pairs keep their
+    frequency (extrapolate), the slow ones are divided by ``factor`` (interpolate), a linear
+    ramp between, over the pairs that turn between ``beta_slow`` and ``beta_fast`` times in the
+    original context; cos and sin scaled by 0.1 ln(factor) + 1 (or the config's mscale ratio)."""
+    dim, base = spec.head_dim, spec.rope_theta
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else spec.max_position / old_ctx
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def pair_turning(turns: float) -> float:  # the pair index that turns ``turns`` times in old_ctx
+        return dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    freqs = base**exponents
+    extrapolated, interpolated = 1.0 / freqs, 1.0 / (factor * freqs)
+    keep = 1 - ramp  # 1: the pair keeps its frequency
+    return interpolated * (1 - keep) + extrapolated * keep, float(attention_factor)
 
 
 class Rotary(nn.Module):
@@ -115,12 +196,14 @@ class Rotary(nn.Module):
 
     def __init__(self, spec: ModelSpec, max_len: int) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(spec))
+        inv_freq, factor = rope_inv_freq(spec)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
         # HF's rotate_half(x) * sin is cat(-x2, x1) * sin; with the first half of sin negated it
         # is roll(x) * sin': the same products, one op instead of four.
-        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        sin = freqs.sin() * factor
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
         self.half = spec.head_dim // 2
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,16 +240,21 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.scale = spec.head_dim**-0.5
         self.half = spec.head_dim // 2
-        self.sliding_window = spec.sliding_window
+        self.sliding = spec.window_of(layer) is not None
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         # Rotate q and k together: one set of ops for both.
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), *rope, self.half)
+        qk = apply_rotary(qk, *rope, self.half)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding_window)
+        out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -250,6 +338,9 @@ class CausalLM(nn.Module):
             if spec.mlp_bias:
                 copy(mlp.gate_up_proj.bias, torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]), p + "mlp bias")
                 copy(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+            if spec.qk_norm:
+                for name in ("q_norm", "k_norm"):
+                    copy(getattr(attn, name).weight, take(p + f"self_attn.{name}.weight"), p + f"self_attn.{name}.weight")
             copy(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             copy(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
         copy(self.norm.weight, take("norm.weight"), "norm.weight")

@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 8
+ABI = 9
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -45,6 +45,7 @@ class RkLayer(ctypes.Structure):
         ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P),
         ("qkv_kp", _I), ("o_kp", _I), ("gate_up_kp", _I), ("down_kp", _I),
         ("k_cache", _P), ("v_cache", _P),
+        ("window", _I), ("q_norm", _P), ("k_norm", _P), ("qk_eps", ctypes.c_float),
     ]
 
 
@@ -53,7 +54,7 @@ class RkModel(ctypes.Structure):
 
     _fields_ = [
         ("num_layers", _I), ("hidden", _I), ("inter", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-        ("group", _I), ("vocab", _I), ("block_size", _I), ("window", _I),
+        ("group", _I), ("vocab", _I), ("block_size", _I),
         ("scale", ctypes.c_float), ("final_eps", ctypes.c_float),
         ("layers", ctypes.POINTER(RkLayer)),
         ("final_norm", _P), ("cos", _P), ("sin", _P),

@@ -47,7 +47,10 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.eos_ids = eos_ids
+        # The masks a step needs: full attention's, the sliding window's, or both (Qwen2/Qwen3
+        # with use_sliding_window slide on some layers only).
         self.window = model.spec.sliding_window
+        self.full_layers, self.window_layers = model.spec.mask_kinds
         bs = kv.block_size
         self._offsets = torch.arange(bs, device=device)
 
@@ -65,15 +68,21 @@ class ModelRunner:
             lengths = torch.tensor(rows.lengths[:n], dtype=torch.long).to(dev, non_blocking=True)
             context = max(rows.lengths[:n])
             meta.decode_slots = (tables[:, :, None] * bs + self._offsets).view(n, -1)[:, :context]
-            meta.decode_mask = decode_mask(lengths, context, self.window)
+            if self.full_layers:
+                meta.decode_mask = decode_mask(lengths, context, None)
+            if self.window_layers:
+                meta.decode_window_mask = decode_mask(lengths, context, self.window)
         row = len(decode)
         for w in step.work[len(decode) :]:
             context = w.seq.num_computed + w.num_new
             table = torch.tensor(w.seq.block_table, dtype=torch.long).to(dev, non_blocking=True)
             span_slots = (table[:, None] * bs + self._offsets).view(-1)[:context]
-            meta.prefills.append(
-                PrefillSpan(row, row + w.num_new, span_slots, prefill_mask(w.num_new, context, self.window, dev))
-            )
+            span = PrefillSpan(row, row + w.num_new, span_slots, None)
+            if self.full_layers:
+                span.mask = prefill_mask(w.num_new, context, None, dev)
+            if self.window_layers:
+                span.window_mask = prefill_mask(w.num_new, context, self.window, dev)
+            meta.prefills.append(span)
             row += w.num_new
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
         return as_tensor(rows.ids), as_tensor(rows.positions), meta, as_tensor(rows.sampled)

@@ -33,7 +33,7 @@
 #define RK_AVX2 1
 #endif
 
-int rk_abi(void) { return 8; }
+int rk_abi(void) { return 9; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -721,6 +721,21 @@ void rk_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const u
     }
 }
 
+/* Qwen3's norms of each query and key head (before rotary), in place on qkv [M, (H + 2 KVH) D]
+ * (row stride qs): x * rsqrt(mean(x^2) + eps) * weight over each head's D values. */
+static void head_norms(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const float *qn,
+                       const float *kn, float eps) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < H + KVH; h++) {
+            float *x = qkv + m * qs + h * D;
+            const float *w = h < H ? qn : kn;
+            float ss = 0.f;
+            for (int64_t d = 0; d < D; d++) ss += x[d] * x[d];
+            const float inv = 1.f / sqrtf(ss / (float)D + eps);
+            for (int64_t d = 0; d < D; d++) x[d] = w[d] * (x[d] * inv);
+        }
+}
+
 /* A whole decode step, for the weights of one model (see cpu_decode.py, which fills these). */
 typedef struct {
     const float *ln1, *ln2;
@@ -729,10 +744,13 @@ typedef struct {
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL: none */
     int64_t qkv_kp, o_kp, gate_up_kp, down_kp; /* padded input sizes */
     void *k_cache, *v_cache; /* of the model's kv_kind */
+    int64_t window; /* the layer's sliding window; 0: it attends to every position */
+    const float *q_norm, *k_norm; /* Qwen3's RMSNorm weights [head_dim] per query / key head; NULL: none */
+    float qk_eps;
 } rk_layer;
 
 typedef struct {
-    int64_t num_layers, hidden, inter, heads, kv_heads, head_dim, group, vocab, block_size, window;
+    int64_t num_layers, hidden, inter, heads, kv_heads, head_dim, group, vocab, block_size;
     float scale, final_eps;
     const rk_layer *layers;
     const float *final_norm, *cos, *sin;
@@ -763,8 +781,9 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
         const rk_layer *l = md->layers + i;
         rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
         rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
+        if (l->q_norm) head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
         attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, md->cos, md->sin, l->k_cache, l->v_cache, slot,
-                  table, tw, tab_of, len, md->block_size, md->window, md->scale, max_len, md->kv_kind, scores, attn);
+                  table, tw, tab_of, len, md->block_size, l->window, md->scale, max_len, md->kv_kind, scores, attn);
         rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, x, H, 1, xsum);
         rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);

@@ -55,6 +55,7 @@ LOCAL_ENGINE_CAPABILITIES = frozenset(
         "priority",
         "seed",
         "structured_outputs",
+        "prompt_logprobs",
     }
 )
 
@@ -97,6 +98,10 @@ class EngineRequest:
     ``advance(token)`` after; finish with "stop" once ``done``."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Plugin-defined parameters (``GenerationParams.extras``) for engines that know them."""
+    prompt_logprobs: int | None = None
+    """Score the prompt (capability "prompt_logprobs"): every prompt token after the first gets its
+    logprob under the model given the tokens before it, and the ``k`` most likely alternatives;
+    raw model logprobs, before any sampling setting. None: off."""
 
 
 @dataclass(slots=True)
@@ -116,6 +121,8 @@ class EngineStep:
     finish_reason: str | None = None  # "stop" | "length"
     stop_token: int | None = None  # the stop_token_ids member that ended it, if any
     cached_tokens: int | None = None  # set on the first step: prompt tokens not recomputed
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """On the first step, when the request asked: one entry per prompt token after the first."""
 
 
 def finish_reason(

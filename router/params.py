@@ -33,6 +33,8 @@ class GenerationParams:
     include_usage: bool = False
     continuous_usage: bool = False
     echo: bool = False
+    prompt_logprobs: int | None = None
+    """Completions' ``echo`` with ``logprobs``: score the prompt too, with this many alternatives."""
     return_token_ids: bool = False
     # chat templating
     add_generation_prompt: bool = True
@@ -45,9 +47,9 @@ class GenerationParams:
     constraint: Any = None
     """A :class:`router.constraints.ConstraintSpec` the output must match (structured outputs)."""
     extras: dict[str, Any] = field(default_factory=dict)
+    """Engine parameters a plugin defines for engines that know them (passed through as is)."""
     record: Any = None
     """The request's :class:`router.telemetry.RequestRecord`: backends report events to it."""
-    """Engine parameters a plugin defines for engines that know them (passed through as is)."""
     requires: dict[str, str] = field(default_factory=dict)
     """Capability -> the request field that needs it; checked against the model's capabilities."""
 

@@ -219,4 +219,6 @@ def completion_params(request: CompletionRequest) -> GenerationParams:
         params.sampling.logprobs = request.logprobs
         params.require("logprobs", "logprobs")
     params.echo = bool(request.echo)
+    if params.echo and request.logprobs is not None:
+        params.prompt_logprobs = request.logprobs
     return params

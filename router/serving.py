@@ -75,6 +75,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None  # the engine's TokenLogprobs of prompt tokens 1..P-1
     tools: Any = None  # a router.tools ToolParser when the request has tools
     content: list[str] = field(default_factory=list)
     """Everything sent as message content (text outside tool calls), in order."""
@@ -101,6 +102,8 @@ class Choice:
             self.logprobs.extend(zip(step.token_ids, step.logprobs))
         if step.cached_tokens is not None:
             self.cached_tokens = step.cached_tokens
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = step.prompt_logprobs
         text_ids = step.token_ids
         if step.finish_reason == "stop" and step.stop_token is not None:
             # A stop token ends the sequence without being shown (EOS is a control token and
@@ -178,6 +181,7 @@ class Generation:
             priority=params.priority,
             constraint=self.constraints[choice.index] if self.constraints else None,
             extras=params.extras,
+            prompt_logprobs=params.prompt_logprobs,
         )
 
     async def run(self) -> AsyncIterator[tuple[Choice, str, list[Any]]]:
@@ -521,6 +525,12 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         raise BadRequest("suffix is not supported.", param="suffix")
     if request.best_of is not None and request.best_of != params.n:
         raise BadRequest("best_of must equal n when given.", param="best_of")
+    if params.prompt_logprobs is not None and "prompt_logprobs" not in backend.capabilities:
+        raise BadRequest(
+            f"Model `{request.model}` cannot score its prompt: echo with logprobs is not supported.",
+            param="echo",
+            code="unsupported_parameter",
+        )
     prompts = completion_prompts(request.prompt, tok)
     max_tokens = params.max_tokens if params.max_tokens is not None else min(16, params.max_tokens_cap or 16)
     for ids in prompts:
@@ -549,13 +559,16 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
     choices = []
     for c in gen.choices:
         echo = echoes[c.prompt_index]
+        logprobs = None
+        if params.sampling.logprobs is not None:
+            logprobs = _completion_logprobs(tok, c.logprobs, len(echo))
+            if params.prompt_logprobs is not None:
+                logprobs = _joined(_prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs), logprobs)
         choices.append(
             CompletionChoice(
                 index=c.index,
                 text=echo + c.text,
-                logprobs=_completion_logprobs(tok, c.logprobs, len(echo))
-                if params.sampling.logprobs is not None
-                else None,
+                logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 **(
@@ -576,6 +589,9 @@ async def _completion_stream(
     tok = gen.backend.engine.tokenizer
     want_logprobs = params.sampling.logprobs is not None
     offsets = {c.index: len(echoes[c.prompt_index]) for c in gen.choices}
+    # With the prompt's logprobs the echo waits for them (they come with the first token), and
+    # goes out in the choice's first chunk, before its first text, as vLLM sends it.
+    unechoed = {c.index for c in gen.choices} if params.prompt_logprobs is not None else set()
 
     def chunk(choices: list[CompletionChoice], usage: Any = UNSET) -> bytes:
         return sse.event(
@@ -588,7 +604,7 @@ async def _completion_stream(
     try:
         for c in gen.choices:
             echo = echoes[c.prompt_index]
-            if echo:
+            if echo and c.index not in unechoed:
                 yield chunk([CompletionChoice(index=c.index, text=echo, logprobs=None, finish_reason=None)])
         async for c, text, _ in gen.run():
             logprobs = None
@@ -596,6 +612,11 @@ async def _completion_stream(
                 entries = c.take_logprobs()
                 logprobs = _completion_logprobs(tok, entries, offsets[c.index])
                 offsets[c.index] += sum(len(t) for t in logprobs.tokens)
+            if c.index in unechoed:
+                unechoed.discard(c.index)
+                text = echoes[c.prompt_index] + text
+                prompt = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs)
+                logprobs = _joined(prompt, logprobs) if logprobs is not None else prompt
             extra: dict[str, Any] = {}
             if params.return_token_ids:
                 extra["token_ids"] = c.take_token_ids()
@@ -631,6 +652,8 @@ async def _completion_stream(
 def _completion_logprobs(
     tok: Tokenizer, entries: Sequence[tuple[int, Any]], offset: int
 ) -> CompletionLogprobs:
+    """The legacy logprobs object. ``top_logprobs`` holds the token itself and the ``k`` most
+    likely ones (up to k + 1 entries: OpenAI's "always the sampled token", as vLLM does)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
@@ -641,11 +664,28 @@ def _completion_logprobs(
         offset += len(text)
         tokens.append(text)
         token_logprobs.append(_clamp(lp.logprob))
-        alts: dict[str, float] = {}
+        alts: dict[str, float] = {text: _clamp(lp.logprob)}
         for alt_id, alt_lp in lp.top:
             alts.setdefault(tok.token_bytes(alt_id).decode("utf-8", "replace"), _clamp(alt_lp))
         top.append(alts)
     return CompletionLogprobs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top)
+
+
+def _prompt_logprobs(tok: Tokenizer, prompt_ids: list[int], entries: Sequence[Any] | None) -> CompletionLogprobs:
+    """``echo`` with ``logprobs``: an entry per prompt token, offsets from the start of the
+    echoed text; the first token's logprob and alternatives are null (nothing precedes it)."""
+    first = tok.token_bytes(prompt_ids[0]).decode("utf-8", "replace")
+    rest = _completion_logprobs(tok, list(zip(prompt_ids[1:], entries or ())), len(first))
+    return _joined(CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None]), rest)
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        text_offset=a.text_offset + b.text_offset,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        tokens=a.tokens + b.tokens,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+    )
 
 
 # --- tokenize ---------------------------------------------------------------------------------

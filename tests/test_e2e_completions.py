@@ -56,19 +56,69 @@ def test_bad_prompts_are_400(base_url, prompt, model):
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")
 
 
-def test_echo_and_logprobs(base_url, model):
-    r = post(base_url, {"model": model, "prompt": "One, two,", "max_tokens": 4, "temperature": 0,
-                        "echo": True, "logprobs": 2}).json()
-    c = r["choices"][0]
-    assert c["text"].startswith("One, two,")
+def test_logprobs_top_holds_the_token_itself(base_url, model):
+    # OpenAI: "the API will always return the logprob of the sampled token, so there may be up
+    # to logprobs+1 elements"; vLLM does the same.
+    r = post(base_url, {"model": model, "prompt": "One, two,", "max_tokens": 6, "temperature": 1.5, "seed": 3,
+                        "logprobs": 1}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 6 and lp["text_offset"][0] == 0
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[tok] == val and 1 <= len(top) <= 2
+    zero = post(base_url, {"model": model, "prompt": "One, two,", "max_tokens": 2, "temperature": 0,
+                           "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert [list(t) for t in zero["top_logprobs"]] == [[t] for t in zero["tokens"]]
+
+
+def tokenize(base_url, model, prompt):
+    return httpx.post(f"{base_url}/tokenize", json={"model": model, "prompt": prompt}).json()["tokens"]
+
+
+def test_echo_with_logprobs_scores_the_prompt(base_url, model):
+    # What lm-evaluation-harness's loglikelihood asks of vLLM: echo, logprobs, max_tokens 1.
+    prompt = "One, two, three, four,"
+    ids = tokenize(base_url, model, prompt)
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    c = post(base_url, body).json()["choices"][0]
+    assert c["text"].startswith(prompt)
     lp = c["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 4
-    assert lp["text_offset"][0] == len("One, two,")
-    assert "".join(lp["tokens"]) == c["text"][len("One, two,"):]
-    assert all(len(t) <= 2 for t in lp["top_logprobs"])
+    n = len(ids) + 4
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert "".join(lp["tokens"]) == c["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n)]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing precedes it
+    for i, (tok, val, top) in enumerate(zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:])):
+        assert val <= 0 and top[tok] == val and len(top) in (2, 3)
+        if i + 1 >= len(ids):  # generated greedily: the most likely token
+            assert val == max(top.values())
+    # Counting to four is easy: the prompt's " four" is likely, the words before it less so.
+    assert lp["token_logprobs"][len(ids) - 2] > -2.0
+    one = post(base_url, {**body, "max_tokens": 1}).json()["choices"][0]["logprobs"]
+    assert one["token_logprobs"][: len(ids)] == lp["token_logprobs"][: len(ids)]
+    assert one["tokens"] == lp["tokens"][: len(ids) + 1]
+
+    events = stream_events(base_url, body)
+    chunks = [ch for e in events for ch in e["choices"]]
+    assert chunks[0]["text"].startswith(prompt)  # the echo comes with its logprobs, in the first chunk
+    assert chunks[0]["logprobs"]["token_logprobs"][0] is None
+    assert "".join(ch["text"] for ch in chunks) == c["text"]
+    for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+        assert [x for ch in chunks for x in ch["logprobs"][key]] == lp[key]
+
+
+def test_echo_without_logprobs_and_token_prompts(base_url, model):
+    c = post(base_url, {"model": model, "prompt": "One, two,", "max_tokens": 4, "temperature": 0,
+                        "echo": True}).json()["choices"][0]
+    assert c["text"].startswith("One, two,") and c["logprobs"] is None
     events = stream_events(base_url, {"model": model, "prompt": "One, two,", "max_tokens": 4,
                                       "temperature": 0, "echo": True})
     assert "".join(ch["text"] for e in events for ch in e["choices"]) == c["text"]
+    ids = tokenize(base_url, model, "One, two,")
+    both = post(base_url, {"model": model, "prompt": [ids, ids[:2]], "max_tokens": 1, "temperature": 0,
+                           "echo": True, "logprobs": 0}).json()["choices"]
+    assert [len(ch["logprobs"]["tokens"]) for ch in both] == [len(ids) + 1, 3]
+    assert [ch["logprobs"]["token_logprobs"][0] for ch in both] == [None, None]
 
 
 def test_usage_in_stream_and_stop(base_url, model):

@@ -200,3 +200,47 @@ def test_chat_echo_prepends_last_assistant_message(client):
     full = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
     assert full == "Sure: hello world"
     assert chat_text(events(client, body)) == full
+
+
+def test_echo_with_logprobs_needs_an_engine_that_scores_prompts(client):
+    body = {"model": "s", "prompt": "hi", "max_tokens": 2, "echo": True, "logprobs": 1}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400
+    e = r.json()["error"]
+    assert e["param"] == "echo" and e["code"] == "unsupported_parameter" and "`s`" in e["message"]
+    assert ENGINE.seen == []  # refused before the engine saw it
+    # echo alone, or logprobs alone, need no prompt scores
+    assert client.post("/v1/completions", json={**body, "logprobs": None}).status_code == 200
+    assert client.post("/v1/completions", json={**body, "echo": False}).status_code == 200
+    assert [r.prompt_logprobs for r in ENGINE.seen] == [None, None]
+
+
+@pytest.fixture
+def scoring_engine(monkeypatch):
+    """The scripted engine, able to score prompts (before the client loads it)."""
+    monkeypatch.setattr(ScriptedEngine, "capabilities", ScriptedEngine.capabilities | {"prompt_logprobs"})
+    real = ScriptedEngine.generate
+
+    async def scoring(self, request):
+        async for step in real(self, request):
+            if step.cached_tokens is not None:  # the first step carries the prompt's scores
+                step.prompt_logprobs = [TokenLogprobs(-1.25, [(tok.word_ids["hello"], -0.25)])]
+            yield step
+
+    monkeypatch.setattr(ScriptedEngine, "generate", scoring)
+
+
+def test_echo_with_logprobs_lists_the_prompt_then_the_completion(scoring_engine, client):
+    body = {"model": "s", "prompt": "hi", "max_tokens": 2, "echo": True, "logprobs": 1}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert ENGINE.seen[-1].prompt_logprobs == 1
+    assert lp == {
+        "text_offset": [0, 1, 2, 7],
+        "token_logprobs": [None, -1.25, -0.5, -0.5],
+        "tokens": ["h", "i", "hello", " world"],
+        "top_logprobs": [None, {"i": -1.25, "hello": -0.25}, {"hello": -0.5}, {" world": -0.5}],
+    }
+    evs = parse_events(client.post("/v1/completions", json={**body, "stream": True}).content)
+    chunks = [c for e in evs for c in e["choices"]]
+    assert chunks[0]["text"] == "hihello" and chunks[0]["logprobs"]["tokens"] == ["h", "i", "hello"]
+    assert [x for c in chunks for x in c["logprobs"]["text_offset"]] == lp["text_offset"]

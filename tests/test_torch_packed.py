@@ -24,11 +24,11 @@ def counting_decoder(engine):
     calls = {"n": 0, "mixed": 0}
     logits = decoder.logits
 
-    def counted(step):
+    def counted(step, *rows):
         calls["n"] += 1
         decodes = sum(w.is_decode for w in step.work)
         calls["mixed"] += 0 < decodes < len(step.work)
-        return logits(step)
+        return logits(step, *rows)
 
     decoder.logits = counted
     return calls

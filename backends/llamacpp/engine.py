@@ -4,7 +4,8 @@ llama.cpp's context holds one sequence here, so requests run one after another, 
 a priority queue (lower ``priority`` first, then arrival). Each request reuses the longest prefix
 of its prompt that is still in the KV cache from the request before it; that count is reported as
 ``cached_tokens``. Sampling is ours (:mod:`.sampler`), so every knob means what it means on the
-torch engine.
+torch engine. A request asking for prompt logprobs has its whole prompt evaluated afresh, with
+logits for every position (only those batches; the model keeps ``logits_all=False``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ from typing import AsyncIterator
 import llama_cpp
 import numpy as np
 
-from router.engine import LOCAL_ENGINE_CAPABILITIES, EngineError, EngineRequest, EngineStep, finish_reason
+from router.engine import (
+    LOCAL_ENGINE_CAPABILITIES,
+    EngineError,
+    EngineRequest,
+    EngineStep,
+    TokenLogprobs,
+    finish_reason,
+)
 
-from .sampler import Sampler
+from .sampler import Sampler, token_logprobs
 from .tokenizer import LlamaCppTokenizer
 
 log = logging.getLogger("router.llamacpp")
@@ -160,14 +168,34 @@ class LlamaCppEngine:
         llm.eval(tokens)
         self._cached.extend(tokens)
 
-    def _run(self, job: _Job) -> None:
-        req = job.request
-        prompt = req.prompt_ids
-        # llama.cpp computes a one-token batch differently from a token inside a larger batch
-        # (logits differ by up to ~0.4 on SmolLM2), so the same request could answer differently
-        # with and without a cache hit. To keep it deterministic: the prompt's last token is
-        # always evaluated alone, everything before it in batches of two or more tokens, and only
-        # KV computed that way (never generated tokens') is reused by later requests.
+    def _eval_scored(self, tokens: list[int], following: list[int], k: int) -> list[TokenLogprobs]:
+        """Evaluate one batch (at most ``n_batch`` tokens) as ``_eval`` does, but with a logits
+        row for every token: row j scores ``following[j]``, the token after ``tokens[j]``.
+
+        ``Llama.eval`` would only keep the last row (the model has ``logits_all=False``), so this
+        is its loop body with ``logits_all=True`` for this batch alone; the rows are read before
+        the next decode overwrites them.
+        """
+        llm = self._llm
+        n_past = len(self._cached)
+        n = len(tokens)
+        assert 0 < n <= self._n_batch and len(following) == n
+        self._ctx.kv_cache_seq_rm(-1, n_past, -1)
+        llm._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
+        self._ctx.decode(llm._batch)
+        # The bookkeeping Llama.eval does, so the Llama object agrees with the context.
+        llm.input_ids[n_past : n_past + n] = tokens
+        llm.n_tokens = n_past + n
+        self._cached.extend(tokens)
+        vocab = self.tokenizer.vocab_size
+        scores = []
+        for j, target in enumerate(following):
+            row = np.ctypeslib.as_array(self._ctx.get_logits_ith(j), shape=(self._n_vocab,))
+            scores.append(token_logprobs(row[:vocab], target, k))
+        return scores
+
+    def _reusable(self, prompt: list[int]) -> int:
+        """How many leading prompt tokens' KV to keep from the request before (see ``_run``)."""
         keep = 0
         for a, b in zip(self._cached, prompt):
             if a != b:
@@ -176,10 +204,27 @@ class LlamaCppEngine:
         keep = min(keep, len(prompt) - 1)
         if keep > 0 and len(prompt) - 1 - keep == 1:
             keep -= 1  # never leave a lone token before the last one
+        return keep
+
+    def _run(self, job: _Job) -> None:
+        req = job.request
+        prompt = req.prompt_ids
+        # llama.cpp computes a one-token batch differently from a token inside a larger batch
+        # (logits differ by up to ~0.4 on SmolLM2), so the same request could answer differently
+        # with and without a cache hit. To keep it deterministic: the prompt's last token is
+        # always evaluated alone, everything before it in batches of two or more tokens, and only
+        # KV computed that way (never generated tokens') is reused by later requests.
+        # Prompt logprobs need a logits row at every prompt position, so such a request reuses
+        # nothing; its batches are cut the same way, so it samples what it would without them.
+        scored = req.prompt_logprobs is not None
+        keep = 0 if scored else self._reusable(prompt)
         if not self._ctx.kv_cache_seq_rm(-1, keep, -1):
             keep = 0
             self._ctx.kv_cache_seq_rm(-1, 0, -1)
         del self._cached[keep:]
+        # With keep == 0, entry p scores prompt[p + 1] from the row of position p; it stays as
+        # long as self._cached, so a position evaluated again is scored again.
+        prompt_logprobs: list[TokenLogprobs] | None = [] if scored else None
         body = prompt[keep:-1]
         step = self._n_batch
         for i in range(0, len(body), step):
@@ -191,18 +236,27 @@ class LlamaCppEngine:
                 self._ctx.kv_cache_seq_rm(-1, len(self._cached) - 1, -1)
                 del self._cached[-1:]
                 chunk = body[i - 1 : i + 1]
-            self._eval(chunk)
+            if prompt_logprobs is None:
+                self._eval(chunk)
+            else:
+                start = len(self._cached)
+                del prompt_logprobs[start:]
+                following = prompt[start + 1 : start + 1 + len(chunk)]
+                prompt_logprobs += self._eval_scored(chunk, following, req.prompt_logprobs)
         if job.cancelled:
             return
+        # The last token's row scores no prompt token (it is the first generated one's).
         self._eval(prompt[-1:])
         reusable = len(prompt)
         try:
-            self._generate(job, keep)
+            self._generate(job, keep, prompt_logprobs)
         finally:
             # Generated tokens were evaluated one by one: not reusable (see above).
             del self._cached[reusable:]
 
-    def _generate(self, job: _Job, keep: int) -> None:
+    def _generate(self, job: _Job, keep: int, prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
+        """Sample until the request finishes; the first step carries ``keep`` as
+        ``cached_tokens`` and ``prompt_logprobs`` when the request asked for them."""
         req = job.request
         prompt = req.prompt_ids
         tok = self.tokenizer
@@ -230,6 +284,7 @@ class LlamaCppEngine:
                     finish,
                     stop_token,
                     keep if first else None,
+                    prompt_logprobs if first else None,
                 )
             )
             first = False

@@ -111,13 +111,22 @@ class Sampler:
         return out
 
     def _logprobs(self, raw: np.ndarray, token: int) -> TokenLogprobs:
-        x = raw.astype(np.float64)
-        m = x.max()
-        lse = m + np.log(np.exp(x - m).sum())
-        k = self.p.logprobs or 0
-        top: list[tuple[int, float]] = []
-        if k:
-            idx = np.argpartition(x, -k)[-k:]
-            idx = idx[np.argsort(x[idx])[::-1]]
-            top = [(int(i), float(x[i] - lse)) for i in idx]
-        return TokenLogprobs(float(x[token] - lse), top)
+        return token_logprobs(raw, token, self.p.logprobs or 0)
+
+
+def token_logprobs(raw: np.ndarray, token: int, k: int) -> TokenLogprobs:
+    """``token``'s logprob in one row of raw logits and the ``k`` most likely tokens, best first.
+
+    The log-softmax is taken in float64: float32 sums over a large vocabulary lose digits that
+    clients comparing logprobs would see.
+    """
+    x = raw.astype(np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    top: list[tuple[int, float]] = []
+    k = min(k, x.size)
+    if k:
+        idx = np.argpartition(x, -k)[-k:]
+        idx = idx[np.argsort(x[idx])[::-1]]
+        top = [(int(i), float(x[i] - lse)) for i in idx]
+    return TokenLogprobs(float(x[token] - lse), top)

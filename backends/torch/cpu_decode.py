@@ -131,14 +131,16 @@ class CpuDecoder:
         work = step.work
         return len(work) > 0 and prompt_positions(work) <= self.prompt_positions
 
-    def logits(self, step: Step) -> torch.Tensor:
-        """Logits ``[number of sampling rows, vocab]`` for a step, in the order of ``step.work``."""
+    def logits(self, step: Step, rows: StepRows | None = None) -> torch.Tensor:
+        """Logits ``[len(rows.out_rows), vocab]`` for a step (``rows``: its :class:`StepRows`, built
+        here when not given): the sampling rows in the order of ``step.work``, with any rows that
+        score prompts among them."""
         spec = self.spec
-        rows = StepRows.of(step.work, self.kv.block_size)
-        m, s = len(rows.ids), len(rows.sampled)
+        rows = rows if rows is not None else StepRows.of(step.work, self.kv.block_size)
+        m, s = len(rows.ids), len(rows.out_rows)
         pos_t, slot_t, len_t, tab_of_t, table_t, out_t = (
             torch.tensor(xs, dtype=torch.long)
-            for xs in (rows.positions, rows.slots, rows.lengths, rows.table_of, rows.tables, rows.sampled)
+            for xs in (rows.positions, rows.slots, rows.lengths, rows.table_of, rows.tables, rows.out_rows)
         )
         x = self.model.embed_tokens.weight.index_select(0, torch.tensor(rows.ids, dtype=torch.long))  # the residual
         f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731

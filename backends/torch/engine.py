@@ -280,6 +280,7 @@ class TorchEngine:
                 finish,
                 stop_token,
                 seq.cached_tokens if first else None,
+                seq.prompt_logprobs if first else None,
             )
             out[seq.loop].append((seq, step_out))
         for w in step.work:

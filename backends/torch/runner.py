@@ -54,9 +54,8 @@ class ModelRunner:
         bs = kv.block_size
         self._offsets = torch.arange(bs, device=device)
 
-    def prepare(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, step: Step, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.kv.block_size
-        rows = StepRows.of(step.work, bs)
         decode = [w for w in step.work if w.is_decode]
         dev = self.device
         meta = AttentionMetadata(
@@ -85,19 +84,25 @@ class ModelRunner:
             meta.prefills.append(span)
             row += w.num_new
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
-        return as_tensor(rows.ids), as_tensor(rows.positions), meta, as_tensor(rows.sampled)
+        return as_tensor(rows.ids), as_tensor(rows.positions), meta, as_tensor(rows.out_rows)
 
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:
         """Compute one step; advance every scheduled sequence; return the sampled tokens."""
-        logits = None
+        logits, rows = None, None
         if self.decoder is not None and self.decoder.accepts(step):
-            logits = self.decoder.logits(step)
+            rows = StepRows.of(step.work, self.kv.block_size)
+            logits = self.decoder.logits(step, rows)
         elif self.graphs is not None and (shape := self.graphs.shape(step)) is not None:
+            # Decode rows only: each samples, none scores a prompt.
             logits = self.graphs.logits(step, shape)  # None: that shape could not be captured
         if logits is None:
-            input_ids, positions, meta, logits_rows = self.prepare(step)
-            logits = self.model(input_ids, positions, meta, logits_rows)
+            rows = StepRows.of(step.work, self.kv.block_size)
+            input_ids, positions, meta, out_rows = self.prepare(step, rows)
+            logits = self.model(input_ids, positions, meta, out_rows)
+        if rows is not None and rows.scored:
+            self._score_prompts(step, rows, logits)
+            logits = logits[rows.sampling]
         sampling = [w for w in step.work if w.samples]
         for w in step.work:
             w.seq.num_computed += w.num_new
@@ -106,6 +111,16 @@ class ModelRunner:
         rows = [self._row(w) for w in sampling]
         tokens, logprobs = self.sampler.sample(logits, rows)
         return [Sampled(w, t, lp) for w, t, lp in zip(sampling, tokens, logprobs)]
+
+    def _score_prompts(self, step: Step, rows: StepRows, logits: torch.Tensor) -> None:
+        """Prompt logprobs: the logits of position p give prompt token p + 1's entry."""
+        at = [i for i, _, _ in rows.scored]
+        seqs = [step.work[j].seq for _, j, _ in rows.scored]
+        targets = [seq.tokens[p + 1] for seq, (_, _, p) in zip(seqs, rows.scored)]
+        ks = [seq.request.prompt_logprobs for seq in seqs]
+        entries = self.sampler.score(logits[at], targets, ks)
+        for seq, entry in zip(seqs, entries):
+            seq.prompt_logprobs.append(entry)  # positions arrive in order: see Sequence.scores
 
     def _row(self, w: Scheduled) -> RowSampling:
         seq = w.seq

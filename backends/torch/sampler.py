@@ -275,21 +275,36 @@ class BatchSampler:
         """The chosen tokens' raw logprobs and the top-k lists, for rows ``want``."""
         r = self._load(1, raw, want)
         chosen = tokens_t if len(want) == len(rows) else tokens_t[_index(want, tokens_t.device)]
-        picked = r.gather(1, chosen.unsqueeze(1)).squeeze(1)
         ks = [rows[i].params.logprobs or 0 for i in want]
-        k = min(max(ks), self.vocab_size)
-        top = r.topk(k, -1) if k else None
-        # log-sum-exp in place: torch.logsumexp would allocate two full-size temporaries.
-        m = _finite(r.amax(-1))
-        lse = r.sub_(m.unsqueeze(1)).exp_().sum(-1).log_().add_(m)
-        picked_l = (picked - lse).tolist()
-        top_v = (top.values - lse.unsqueeze(1)).tolist() if top else []
-        top_i = top.indices.tolist() if top else []
         out: list[TokenLogprobs | None] = [None] * len(rows)
-        for c, i in enumerate(want):
-            pairs = list(zip(top_i[c][: ks[c]], top_v[c][: ks[c]])) if ks[c] else []
-            out[i] = TokenLogprobs(picked_l[c], pairs)
+        for i, lp in zip(want, _token_logprobs(r, chosen, ks)):
+            out[i] = lp
         return tokens_t.tolist(), out
+
+    def score(self, logits: torch.Tensor, targets: list[int], k: list[int]) -> list[TokenLogprobs]:
+        """Prompt logprobs: row i's raw logprob of ``targets[i]`` and its ``k[i]`` most likely
+        tokens (no sampling setting applies: the prompt was not sampled)."""
+        r = logits[:, : self.vocab_size].float()
+        chosen = torch.tensor(targets, dtype=torch.long, device=r.device)
+        return _token_logprobs(r, chosen, k)
+
+
+def _token_logprobs(r: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """Row i of float32 logits ``r`` (overwritten): the logprob of ``chosen[i]`` and the top
+    ``ks[i]`` (id, logprob) pairs, most likely first."""
+    picked = r.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    k = min(max(ks), r.shape[1])
+    top = r.topk(k, -1) if k else None
+    # log-sum-exp in place: torch.logsumexp would allocate two full-size temporaries.
+    m = _finite(r.amax(-1))
+    lse = r.sub_(m.unsqueeze(1)).exp_().sum(-1).log_().add_(m)
+    picked_l = (picked - lse).tolist()
+    top_v = (top.values - lse.unsqueeze(1)).tolist() if top else []
+    top_i = top.indices.tolist() if top else []
+    return [
+        TokenLogprobs(picked_l[c], list(zip(top_i[c][: kc], top_v[c][: kc])) if kc else [])
+        for c, kc in enumerate(ks)
+    ]
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -45,8 +45,11 @@ class StepRows:
     """A step's inputs as plain lists, one row per new token: its id, position and cache slot,
     the context length after it, which of the block tables it reads (one per sequence, padded to
     ``width`` with ``pad_block``; entries past a row's length are never read), and the rows
-    whose logits are wanted (a decoding sequence's token, the last token of a prompt's final
-    chunk). In a decode-only step, rows and sequences coincide."""
+    whose logits are wanted (``out_rows``, ascending): a decoding sequence's token, the last
+    token of a prompt's final chunk, and the prompt tokens that score the next one (prompt
+    logprobs). Of those, ``sampling`` indexes the ones that sample (in the order of the work
+    that samples) and ``scored`` the others, as (index, work index, position). In a decode-only
+    step, rows and sequences coincide and every out row samples."""
 
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -54,7 +57,9 @@ class StepRows:
     lengths: list[int] = field(default_factory=list)
     table_of: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)
+    out_rows: list[int] = field(default_factory=list)
+    sampling: list[int] = field(default_factory=list)
+    scored: list[tuple[int, int, int]] = field(default_factory=list)
     width: int = 0
 
     @classmethod
@@ -63,7 +68,11 @@ class StepRows:
         for j, w in enumerate(work):
             seq, start = w.seq, w.seq.num_computed
             table = seq.block_table
+            scoring = seq.prompt_logprobs is not None
             for p in range(start, start + w.num_new):
+                if scoring and seq.scores(p):
+                    rows.scored.append((len(rows.out_rows), j, p))
+                    rows.out_rows.append(len(rows.ids))
                 rows.ids.append(seq.tokens[p])
                 rows.positions.append(p)
                 rows.slots.append(table[p // block_size] * block_size + p % block_size)
@@ -71,7 +80,8 @@ class StepRows:
                 rows.table_of.append(j)
             rows.tables.append(table + [pad_block] * (rows.width - len(table)))
             if w.samples:
-                rows.sampled.append(len(rows.ids) - 1)
+                rows.sampling.append(len(rows.out_rows))
+                rows.out_rows.append(len(rows.ids) - 1)
         return rows
 
 

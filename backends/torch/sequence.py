@@ -6,7 +6,7 @@ import enum
 import itertools
 from typing import Any, Callable
 
-from router.engine import EngineRequest
+from router.engine import EngineRequest, TokenLogprobs
 
 from .kv_cache import BlockPool, chain_hash
 
@@ -39,6 +39,13 @@ class Sequence:
         self.sampling_state: Any = None  # owned by the runner (random generator)
         self.loop: Any = None  # the event loop whose request this is
         self.order = (request.priority, request.arrival, self.id)
+        # Prompt logprobs, when asked: entry p scores prompt token p + 1 (from position p's logits).
+        self.prompt_logprobs: list[TokenLogprobs] | None = [] if request.prompt_logprobs is not None else None
+
+    def scores(self, position: int) -> bool:
+        """Whether ``position``'s logits are wanted to score the next prompt token."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) <= position < self.num_prompt - 1
 
     @property
     def output_ids(self) -> list[int]:
@@ -66,10 +73,13 @@ class Sequence:
     def take_prefix_hits(self, pool: BlockPool) -> int:
         """Share cached blocks for the longest cached prefix; return how many tokens they hold.
 
-        At least one token is left to compute, so there are logits to sample from.
+        At least one token is left to compute, so there are logits to sample from; and no
+        position whose logits still score the prompt (prompt logprobs) is skipped.
         """
         bs = self.block_size
         limit = (len(self.tokens) - 1) // bs
+        if self.prompt_logprobs is not None:
+            limit = min(limit, len(self.prompt_logprobs) // bs)
         hits = 0
         while hits < limit:
             block = pool.lookup(self.block_hash(hits))

@@ -1,7 +1,8 @@
 """Sampling extras beyond the OpenAI set (vLLM's names).
 
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output`` and ``return_token_ids``. Each one the request
+``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids`` and ``prompt_logprobs``.
+Each one the request
 actually uses is declared as a capability the model must have, so a backend that cannot honour
 it answers 400 instead of ignoring it.
 """
@@ -12,6 +13,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta
 
+from router.errors import BadRequest
 from router.hookspecs import RequestField, hookimpl
 
 
@@ -34,6 +36,9 @@ def request_fields() -> list[RequestField]:
                      description="Keep the matched stop string at the end of the output."),
         RequestField("return_token_ids", bool | None, None,
                      description="Also return prompt_token_ids and each choice's token_ids."),
+        RequestField("prompt_logprobs", Annotated[int, Meta(ge=0, le=20)] | None, None,
+                     description="Also return each prompt token's logprob, rank and this many most "
+                                 "likely alternatives (not with stream)."),
     ]
 
 
@@ -62,3 +67,9 @@ def prepare_request(request: Any, model: Any, params: Any, endpoint: str) -> Non
         params.include_stop_str_in_output = True
     if request.return_token_ids:
         params.return_token_ids = True
+    if request.prompt_logprobs is not None:
+        if request.stream:
+            raise BadRequest("prompt_logprobs is not available when stream is true.", param="prompt_logprobs")
+        # completions' echo with logprobs may already score the prompt: one pass serves both.
+        params.prompt_logprobs = max(params.prompt_logprobs or 0, request.prompt_logprobs)
+        params.require("prompt_logprobs", "prompt_logprobs")

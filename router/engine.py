@@ -110,6 +110,7 @@ class TokenLogprobs:
 
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # prompt logprobs: 1 + how many tokens were more likely than this one
 
 
 @dataclass(slots=True)

@@ -250,6 +250,17 @@ class ChoiceLogprobs(Struct):
     content: list[TokenLogprob] | None
 
 
+class PromptLogprob(Struct):
+    """vLLM's ``prompt_logprobs`` entry (keyed by token id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(Struct):
     text_offset: list[int]
     token_logprobs: list[float | None]
@@ -291,6 +302,7 @@ class ChatCompletion(Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class DeltaToolCallFunction(Struct):
@@ -338,6 +350,7 @@ class CompletionChoice(Struct):
     stop_reason: int | str | None | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class Completion(Struct, kw_only=True):

@@ -35,6 +35,8 @@ from .protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     Delta,
     DeltaToolCall,
     DeltaToolCallFunction,
@@ -370,6 +372,9 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         choices=choices,
         usage=gen.report_usage(),
         prompt_token_ids=prompt if params.return_token_ids else UNSET,
+        prompt_logprobs=_prompt_logprob_entries(tok, prompt, gen.choices[0].prompt_logprobs, params.prompt_logprobs)
+        if params.prompt_logprobs is not None
+        else UNSET,
     )
     return _json.encode(body)
 
@@ -525,7 +530,7 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         raise BadRequest("suffix is not supported.", param="suffix")
     if request.best_of is not None and request.best_of != params.n:
         raise BadRequest("best_of must equal n when given.", param="best_of")
-    if params.prompt_logprobs is not None and "prompt_logprobs" not in backend.capabilities:
+    if params.echo and params.prompt_logprobs is not None and "prompt_logprobs" not in backend.capabilities:
         raise BadRequest(
             f"Model `{request.model}` cannot score its prompt: echo with logprobs is not supported.",
             param="echo",
@@ -562,8 +567,9 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         logprobs = None
         if params.sampling.logprobs is not None:
             logprobs = _completion_logprobs(tok, c.logprobs, len(echo))
-            if params.prompt_logprobs is not None:
-                logprobs = _joined(_prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs), logprobs)
+            if params.echo and params.prompt_logprobs is not None:
+                prompt_lp = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.sampling.logprobs)
+                logprobs = _joined(prompt_lp, logprobs)
         choices.append(
             CompletionChoice(
                 index=c.index,
@@ -574,6 +580,13 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
                 **(
                     {"token_ids": c.token_ids, "prompt_token_ids": gen.prompts[c.prompt_index]}
                     if params.return_token_ids
+                    else {}
+                ),
+                **(
+                    {"prompt_logprobs": _prompt_logprob_entries(
+                        tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.prompt_logprobs
+                    )}
+                    if params.prompt_logprobs is not None
                     else {}
                 ),
             )
@@ -591,7 +604,7 @@ async def _completion_stream(
     offsets = {c.index: len(echoes[c.prompt_index]) for c in gen.choices}
     # With the prompt's logprobs the echo waits for them (they come with the first token), and
     # goes out in the choice's first chunk, before its first text, as vLLM sends it.
-    unechoed = {c.index for c in gen.choices} if params.prompt_logprobs is not None else set()
+    unechoed = {c.index for c in gen.choices} if params.echo and params.prompt_logprobs is not None else set()
 
     def chunk(choices: list[CompletionChoice], usage: Any = UNSET) -> bytes:
         return sse.event(
@@ -615,7 +628,7 @@ async def _completion_stream(
             if c.index in unechoed:
                 unechoed.discard(c.index)
                 text = echoes[c.prompt_index] + text
-                prompt = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs)
+                prompt = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.sampling.logprobs)
                 logprobs = _joined(prompt, logprobs) if logprobs is not None else prompt
             extra: dict[str, Any] = {}
             if params.return_token_ids:
@@ -650,10 +663,11 @@ async def _completion_stream(
 
 
 def _completion_logprobs(
-    tok: Tokenizer, entries: Sequence[tuple[int, Any]], offset: int
+    tok: Tokenizer, entries: Sequence[tuple[int, Any]], offset: int, k: int | None = None
 ) -> CompletionLogprobs:
     """The legacy logprobs object. ``top_logprobs`` holds the token itself and the ``k`` most
-    likely ones (up to k + 1 entries: OpenAI's "always the sampled token", as vLLM does)."""
+    likely ones (up to k + 1 entries: OpenAI's "always the sampled token", as vLLM does; ``k``
+    None: every alternative the entry has)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
@@ -665,18 +679,37 @@ def _completion_logprobs(
         tokens.append(text)
         token_logprobs.append(_clamp(lp.logprob))
         alts: dict[str, float] = {text: _clamp(lp.logprob)}
-        for alt_id, alt_lp in lp.top:
+        for alt_id, alt_lp in lp.top[:k]:
             alts.setdefault(tok.token_bytes(alt_id).decode("utf-8", "replace"), _clamp(alt_lp))
         top.append(alts)
     return CompletionLogprobs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top)
 
 
-def _prompt_logprobs(tok: Tokenizer, prompt_ids: list[int], entries: Sequence[Any] | None) -> CompletionLogprobs:
+def _prompt_logprobs(
+    tok: Tokenizer, prompt_ids: list[int], entries: Sequence[Any] | None, k: int | None
+) -> CompletionLogprobs:
     """``echo`` with ``logprobs``: an entry per prompt token, offsets from the start of the
     echoed text; the first token's logprob and alternatives are null (nothing precedes it)."""
     first = tok.token_bytes(prompt_ids[0]).decode("utf-8", "replace")
-    rest = _completion_logprobs(tok, list(zip(prompt_ids[1:], entries or ())), len(first))
+    rest = _completion_logprobs(tok, list(zip(prompt_ids[1:], entries or ())), len(first), k)
     return _joined(CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None]), rest)
+
+
+def _prompt_logprob_entries(
+    tok: Tokenizer, prompt_ids: list[int], entries: Sequence[Any] | None, k: int
+) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: null for the first token, then per token a map from token id
+    to logprob, rank and text: the prompt's token first, then the ``k`` most likely (ranks 1..k)."""
+    def text(token_id: int) -> str:
+        return tok.token_bytes(token_id).decode("utf-8", "replace")
+
+    out: PromptLogprobs = [None]
+    for token_id, lp in zip(prompt_ids[1:], entries or ()):
+        entry = {str(token_id): PromptLogprob(_clamp(lp.logprob), lp.rank, text(token_id))}
+        for rank, (alt_id, alt_lp) in enumerate(lp.top[:k], start=1):
+            entry.setdefault(str(alt_id), PromptLogprob(_clamp(alt_lp), rank, text(alt_id)))
+        out.append(entry)
+    return out
 
 
 def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:

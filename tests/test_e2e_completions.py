@@ -152,3 +152,28 @@ def test_empty_prompt_is_a_400_not_a_stuck_engine(base_url, model):
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")
     # and the engine still serves
     assert post(base_url, {"model": model, "prompt": "Hello", "max_tokens": 2}).status_code == 200
+
+
+def test_prompt_logprobs_field_as_vllm(base_url, model):
+    prompt = "One, two, three, four,"
+    ids = tokenize(base_url, model, prompt)
+    base = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    c = post(base_url, {**base, "prompt_logprobs": 3}).json()["choices"][0]
+    echoed = post(base_url, {**base, "echo": True, "logprobs": 3}).json()["choices"][0]
+    pl = c["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None and echoed["prompt_logprobs"] == pl
+    for i, entry in enumerate(pl[1:], start=1):
+        own = entry[str(ids[i])]
+        assert own["logprob"] == echoed["logprobs"]["token_logprobs"][i]
+        assert own["decoded_token"] == echoed["logprobs"]["tokens"][i]
+        alts = sorted((v for k, v in entry.items() if k != str(ids[i])), key=lambda v: v["rank"])
+        if own["rank"] <= 3:  # among the top 3: they are the other two, around it
+            assert len(alts) == 2 and sorted([own["rank"]] + [a["rank"] for a in alts]) == [1, 2, 3]
+        else:
+            assert [a["rank"] for a in alts] == [1, 2, 3] and own["logprob"] <= alts[-1]["logprob"]
+        ranked = sorted(entry.values(), key=lambda v: v["rank"])
+        assert [v["logprob"] for v in ranked] == sorted((v["logprob"] for v in ranked), reverse=True)
+    chat = httpx.post(f"{base_url}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat["prompt_logprobs"][1:])

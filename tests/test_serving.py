@@ -224,7 +224,7 @@ def scoring_engine(monkeypatch):
     async def scoring(self, request):
         async for step in real(self, request):
             if step.cached_tokens is not None:  # the first step carries the prompt's scores
-                step.prompt_logprobs = [TokenLogprobs(-1.25, [(tok.word_ids["hello"], -0.25)])]
+                step.prompt_logprobs = [TokenLogprobs(-1.25, [(tok.word_ids["hello"], -0.25)], 2)]
             yield step
 
     monkeypatch.setattr(ScriptedEngine, "generate", scoring)
@@ -244,3 +244,31 @@ def test_echo_with_logprobs_lists_the_prompt_then_the_completion(scoring_engine,
     chunks = [c for e in evs for c in e["choices"]]
     assert chunks[0]["text"] == "hihello" and chunks[0]["logprobs"]["tokens"] == ["h", "i", "hello"]
     assert [x for c in chunks for x in c["logprobs"]["text_offset"]] == lp["text_offset"]
+
+
+def test_prompt_logprobs_as_vllm_returns_them(scoring_engine, client):
+    entry = [None, {str(ord("i")): {"logprob": -1.25, "rank": 2, "decoded_token": "i"},
+                    str(tok.word_ids["hello"]): {"logprob": -0.25, "rank": 1, "decoded_token": "hello"}}]
+    body = {"model": "s", "prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}
+    c = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert c["prompt_logprobs"] == entry and c["logprobs"] is None
+    assert ENGINE.seen[-1].prompt_logprobs == 1
+    chat = client.post("/v1/chat/completions", json={**MSG, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"] == [None, {str(ord("i")): entry[1][str(ord("i"))]}]  # k = 0: the token alone
+    assert "prompt_logprobs" not in chat["choices"][0]
+    # echo with logprobs 0 and prompt_logprobs 1: one scoring pass, each field its own k
+    both = client.post("/v1/completions", json={**body, "echo": True, "logprobs": 0}).json()["choices"][0]
+    assert ENGINE.seen[-1].prompt_logprobs == 1
+    assert both["prompt_logprobs"] == entry and both["logprobs"]["top_logprobs"][1] == {"i": -1.25}
+    plain = client.post("/v1/completions", json={"model": "s", "prompt": "hi", "max_tokens": 2}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+def test_prompt_logprobs_is_refused_when_streaming_or_not_scored(client):
+    r = client.post("/v1/completions", json={"model": "s", "prompt": "hi", "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    r = client.post("/v1/chat/completions", json={**MSG, "prompt_logprobs": 1})  # this engine cannot
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    r = client.post("/v1/chat/completions", json={**MSG, "prompt_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    assert ENGINE.seen == []

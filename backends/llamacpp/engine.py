@@ -191,7 +191,7 @@ class LlamaCppEngine:
         scores = []
         for j, target in enumerate(following):
             row = np.ctypeslib.as_array(self._ctx.get_logits_ith(j), shape=(self._n_vocab,))
-            scores.append(token_logprobs(row[:vocab], target, k))
+            scores.append(token_logprobs(row[:vocab], target, k, rank=True))
         return scores
 
     def _reusable(self, prompt: list[int]) -> int:

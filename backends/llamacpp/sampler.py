@@ -114,8 +114,9 @@ class Sampler:
         return token_logprobs(raw, token, self.p.logprobs or 0)
 
 
-def token_logprobs(raw: np.ndarray, token: int, k: int) -> TokenLogprobs:
-    """``token``'s logprob in one row of raw logits and the ``k`` most likely tokens, best first.
+def token_logprobs(raw: np.ndarray, token: int, k: int, rank: bool = False) -> TokenLogprobs:
+    """``token``'s logprob in one row of raw logits and the ``k`` most likely tokens, best first;
+    with ``rank``, also 1 + how many tokens were more likely (prompt logprobs).
 
     The log-softmax is taken in float64: float32 sums over a large vocabulary lose digits that
     clients comparing logprobs would see.
@@ -129,4 +130,4 @@ def token_logprobs(raw: np.ndarray, token: int, k: int) -> TokenLogprobs:
         idx = np.argpartition(x, -k)[-k:]
         idx = idx[np.argsort(x[idx])[::-1]]
         top = [(int(i), float(x[i] - lse)) for i in idx]
-    return TokenLogprobs(float(x[token] - lse), top)
+    return TokenLogprobs(float(x[token] - lse), top, int((x > x[token]).sum()) + 1 if rank else None)

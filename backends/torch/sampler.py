@@ -286,13 +286,14 @@ class BatchSampler:
         tokens (no sampling setting applies: the prompt was not sampled)."""
         r = logits[:, : self.vocab_size].float()
         chosen = torch.tensor(targets, dtype=torch.long, device=r.device)
-        return _token_logprobs(r, chosen, k)
+        return _token_logprobs(r, chosen, k, ranks=True)
 
 
-def _token_logprobs(r: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+def _token_logprobs(r: torch.Tensor, chosen: torch.Tensor, ks: list[int], ranks: bool = False) -> list[TokenLogprobs]:
     """Row i of float32 logits ``r`` (overwritten): the logprob of ``chosen[i]`` and the top
-    ``ks[i]`` (id, logprob) pairs, most likely first."""
+    ``ks[i]`` (id, logprob) pairs, most likely first; with ``ranks``, each chosen token's rank."""
     picked = r.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    rank = ((r > picked.unsqueeze(1)).sum(-1) + 1).tolist() if ranks else [None] * len(ks)
     k = min(max(ks), r.shape[1])
     top = r.topk(k, -1) if k else None
     # log-sum-exp in place: torch.logsumexp would allocate two full-size temporaries.
@@ -302,7 +303,7 @@ def _token_logprobs(r: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> lis
     top_v = (top.values - lse.unsqueeze(1)).tolist() if top else []
     top_i = top.indices.tolist() if top else []
     return [
-        TokenLogprobs(picked_l[c], list(zip(top_i[c][: kc], top_v[c][: kc])) if kc else [])
+        TokenLogprobs(picked_l[c], list(zip(top_i[c][: kc], top_v[c][: kc])) if kc else [], rank[c])
         for c, kc in enumerate(ks)
     ]
 

@@ -110,10 +110,12 @@ def test_a_16_bit_kv_cache_holds_twice_the_tokens_and_stays_with_float32(smol, s
     assert min(agree) >= 16 and sum(a == 32 for a in agree) >= 7, agree
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen2-yarn", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen2-yarn", "qwen3",
+                                  "phi3"])
 def test_tiny_random_architectures_match_transformers(tmp_path, arch):
     # llama: llama3 rope; qwen2: qkv bias, tied embeddings; mistral: a window of 8 on every layer;
-    # qwen2-window: on layer 1 only; qwen2-yarn: YaRN rope (factor 4); qwen3: query and key norms.
+    # qwen2-window: on layer 1 only; qwen2-yarn: YaRN rope (factor 4); qwen3: query and key norms;
+    # phi3: fused projections in the checkpoint, a window of 12.
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, block_size=4, max_batched_tokens=16)
     try:

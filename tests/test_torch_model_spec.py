@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backends.torch.model import ModelError, ModelSpec, Rotary, rope_inv_freq
@@ -38,6 +38,7 @@ def windows(s: ModelSpec) -> list[int | None]:
             "sliding_attention", "full_attention", "sliding_attention", "full_attention"]}, [8, None, 8, None],
          (True, True)),
         (LlamaConfig, {}, [None] * 4, (True, False)),
+        (Phi3Config, {"sliding_window": 2047, "pad_token_id": 0}, [2047] * 4, (False, True)),
     ],
 )
 def test_which_layers_slide(cls, kw, want, kinds):
@@ -61,11 +62,25 @@ def test_qwen3_has_head_norms_and_its_own_head_dim():
     assert not spec(Qwen2Config).qk_norm
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "phi3", None])
+@pytest.mark.parametrize("model_type", ["gemma", "phi", None])
 def test_other_model_types_are_refused_with_the_supported_list(model_type):
     cfg = SimpleNamespace(model_type=model_type, **SIZES, num_hidden_layers=2)
-    with pytest.raises(ModelError, match="supported: llama, qwen2, qwen3, mistral"):
+    with pytest.raises(ModelError, match="supported: llama, qwen2, qwen3, mistral, phi3"):
         ModelSpec.from_hf_config(cfg)
+
+
+def test_partial_rotary_and_longrope_are_refused():
+    # Phi-4-mini: a quarter of each head unrotated; Phi-3.5: longrope. Both would load and run
+    # wrong without these checks.
+    with pytest.raises(ModelError, match="partial_rotary_factor 0.75 is not supported"):
+        spec(Phi3Config, partial_rotary_factor=0.75, pad_token_id=0)
+    legacy = SimpleNamespace(model_type="phi3", **SIZES, num_hidden_layers=2, partial_rotary_factor=0.5)
+    with pytest.raises(ModelError, match="partial_rotary_factor 0.5"):
+        ModelSpec.from_hf_config(legacy)
+    with pytest.raises(ModelError, match="rope scaling `longrope` is not supported"):
+        spec(Phi3Config, pad_token_id=0, original_max_position_embeddings=1024, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 1024})
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "longrope"])

@@ -35,7 +35,8 @@ def counting_decoder(engine):
 
 
 ARCH_FORMATS = [(arch, fmt, "auto") for fmt in ("int8", "int4") for arch in ("llama", "qwen2", "mistral", "llama-odd")]
-ARCH_FORMATS += [("qwen2-window", "int4", "auto"), ("qwen3", "int8", "auto"), ("qwen3", "int4", "float16")]
+ARCH_FORMATS += [("qwen2-window", "int4", "auto"), ("qwen3", "int8", "auto"), ("qwen3", "int4", "float16"),
+                 ("phi3", "int4", "auto")]
 
 
 @pytest.mark.parametrize(

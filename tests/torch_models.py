@@ -1,5 +1,5 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / Qwen2 / Qwen3 / Mistral checkpoints built from a config, no download."""
+random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoints built from a config, no download."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = Qwen3Config(**common, head_dim=24)
     elif arch == "mistral":
         config = MistralConfig(**common, sliding_window=8)
+    elif arch == "phi3":  # q, k, v and gate, up stored fused; a window on every layer
+        from transformers import Phi3Config
+
+        config = Phi3Config(**common, sliding_window=12, pad_token_id=0)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)

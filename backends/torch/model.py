@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral) as plain torch modules.
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral, Phi-3) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, Llama 3, YaRN), grouped-query
 attention over the paged KV cache (sliding windows on all or some layers), Qwen3's per-head
@@ -49,7 +49,7 @@ class ModelSpec:
     sliding_layers: tuple[int, ...] | None = None
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before rotary
 
-    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
     ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
 
     def window_of(self, layer: int) -> int | None:
@@ -88,6 +88,9 @@ class ModelSpec:
                 scaling["original_max_position_embeddings"] = getattr(
                     cfg, "original_max_position_embeddings", cfg.max_position_embeddings
                 )
+        partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+        if partial is not None and float(partial) != 1.0:
+            raise ModelError(f"partial_rotary_factor {partial} is not supported: every dimension is rotated here")
         window, sliding_layers = _sliding_window(cfg, model_type)
         return cls(
             vocab_size=cfg.vocab_size,
@@ -112,13 +115,13 @@ class ModelSpec:
 
 
 def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
-    """The window and the layers that use it, as transformers decides them: Mistral slides on
-    every layer; Qwen2 and Qwen3 only with ``use_sliding_window``, on the layers ``layer_types``
+    """The window and the layers that use it, as transformers decides them: Mistral and Phi-3
+    slide on every layer; Qwen2 and Qwen3 only with ``use_sliding_window``, on the layers ``layer_types``
     names (transformers >= 4.53), else from ``max_window_layers`` on; Llama never."""
     window = getattr(cfg, "sliding_window", None)
     if model_type == "llama" or not window:
         return None, None
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return int(window), None
     if not getattr(cfg, "use_sliding_window", False):
         return None, None
@@ -325,14 +328,20 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            fused = p + "self_attn.qkv_proj.weight"  # Phi-3 stores q, k and v as one matrix, as we do
+            qkv = take(fused) if fused in state or "model." + fused in state else torch.cat(
+                [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            )
             copy(attn.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
             if spec.qkv_bias:
                 copy(attn.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv bias")
             copy(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
             if spec.o_bias:
                 copy(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            fused = p + "mlp.gate_up_proj.weight"  # Phi-3: gate then up, as here
+            gate_up = take(fused) if fused in state or "model." + fused in state else torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            )
             copy(mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
             copy(mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
             if spec.mlp_bias:

@@ -1,7 +1,8 @@
 """Sampling extras beyond the OpenAI set (vLLM's names).
 
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids`` and ``prompt_logprobs``.
+``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``prompt_logprobs`` and
+``allowed_token_ids``.
 Each one the request
 actually uses is declared as a capability the model must have, so a backend that cannot honour
 it answers 400 instead of ignoring it.
@@ -36,6 +37,8 @@ def request_fields() -> list[RequestField]:
                      description="Keep the matched stop string at the end of the output."),
         RequestField("return_token_ids", bool | None, None,
                      description="Also return prompt_token_ids and each choice's token_ids."),
+        RequestField("allowed_token_ids", list[Annotated[int, Meta(ge=0)]] | None, None,
+                     description="Sample only among these token ids."),
         RequestField("prompt_logprobs", Annotated[int, Meta(ge=0, le=20)] | None, None,
                      description="Also return each prompt token's logprob, rank and this many most "
                                  "likely alternatives (not with stream)."),
@@ -67,6 +70,11 @@ def prepare_request(request: Any, model: Any, params: Any, endpoint: str) -> Non
         params.include_stop_str_in_output = True
     if request.return_token_ids:
         params.return_token_ids = True
+    if request.allowed_token_ids is not None:
+        if not request.allowed_token_ids:
+            raise BadRequest("allowed_token_ids must name at least one token id.", param="allowed_token_ids")
+        s.allowed_token_ids = tuple(sorted(set(request.allowed_token_ids)))
+        params.require("allowed_token_ids", "allowed_token_ids")
     if request.prompt_logprobs is not None:
         if request.stream:
             raise BadRequest("prompt_logprobs is not available when stream is true.", param="prompt_logprobs")

@@ -56,6 +56,7 @@ LOCAL_ENGINE_CAPABILITIES = frozenset(
         "seed",
         "structured_outputs",
         "prompt_logprobs",
+        "allowed_token_ids",
     }
 )
 
@@ -74,6 +75,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     logprobs: int | None = None  # None: none; k: the chosen token's logprob plus the top k
+    allowed_token_ids: tuple[int, ...] | None = None  # sample only among these (logprobs stay raw)
 
     @property
     def greedy(self) -> bool:

@@ -314,6 +314,29 @@ def _check_logit_bias(params: GenerationParams, tokenizer: Tokenizer) -> None:
             )
 
 
+def _check_allowed_ids(params: GenerationParams, tokenizer: Tokenizer) -> None:
+    """``allowed_token_ids`` must leave something to sample at every step: ids in the vocabulary,
+    not all of them held back by ``min_tokens``, and no grammar that could want another token."""
+    allowed = params.sampling.allowed_token_ids
+    if allowed is None:
+        return
+    if allowed[-1] >= tokenizer.vocab_size:  # sorted
+        raise BadRequest(
+            f"allowed_token_ids names token id {allowed[-1]}, outside the vocabulary "
+            f"(0 to {tokenizer.vocab_size - 1}).",
+            param="allowed_token_ids",
+        )
+    if params.constraint is not None or params.tools:
+        raise BadRequest(
+            "allowed_token_ids cannot be combined with structured outputs or tools.", param="allowed_token_ids"
+        )
+    ending = tokenizer.eos_token_ids | params.stop_token_ids
+    if params.min_tokens and not params.ignore_eos and set(allowed) <= ending:
+        raise BadRequest(
+            "allowed_token_ids holds only end tokens, which min_tokens forbids at first.", param="allowed_token_ids"
+        )
+
+
 def _request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -339,6 +362,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     if params.max_tokens is None and params.max_tokens_cap is not None:
         max_tokens = min(max_tokens, params.max_tokens_cap)
     _check_logit_bias(params, tok)
+    _check_allowed_ids(params, tok)
     constraints = await _constraints(backend, params, params.n)
     gen = Generation(backend, [prompt], params, max_tokens, _request_id("chatcmpl"), constraints)
     if parser is not None:
@@ -541,6 +565,7 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
     for ids in prompts:
         check_length(len(ids), max_tokens, engine.max_model_len, "prompt")
     _check_logit_bias(params, tok)
+    _check_allowed_ids(params, tok)
     constraints = await _constraints(backend, params, len(prompts) * params.n)
     gen = Generation(backend, prompts, params, max_tokens, _request_id("cmpl"), constraints)
     echoes = [""] * len(prompts)

@@ -177,3 +177,24 @@ def test_prompt_logprobs_field_as_vllm(base_url, model):
         "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
     assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_allowed_token_ids_restrict_what_is_sampled(base_url, model):
+    allowed = tokenize(base_url, model, " yes no maybe")
+    body = {"model": model, "prompt": "Is the sky green? Answer:", "max_tokens": 8, "temperature": 1.0,
+            "seed": 7, "allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True}
+    c = post(base_url, body).json()["choices"][0]
+    assert len(c["token_ids"]) == 8 and set(c["token_ids"]) <= set(allowed)
+    chat = httpx.post(f"{base_url}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+        "allowed_token_ids": allowed[:1], "ignore_eos": True}).json()
+    assert chat["choices"][0]["message"]["content"] == " yes" * 4
+    for bad, words in [([], "at least one"), ([10**6], "outside the vocabulary")]:
+        r = post(base_url, {**body, "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids" and words in r.text
+    eos = httpx.post(f"{base_url}/tokenize", json={"model": model, "prompt": "<|im_end|>"}).json()["tokens"]
+    r = post(base_url, {"model": model, "prompt": "x", "allowed_token_ids": eos, "min_tokens": 2})
+    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
+    r = post(base_url, {"model": model, "prompt": "x", "allowed_token_ids": allowed,
+                        "structured_outputs": {"regex": "[0-9]+"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"

@@ -267,12 +267,16 @@ class LlamaCppEngine:
             min_tokens=req.min_tokens,
             suppress_until_min=tok.eos_token_ids | req.stop_token_ids,
         )
+        only = None  # allowed_token_ids as a mask
+        if req.sampling.allowed_token_ids is not None:
+            only = np.zeros(tok.vocab_size, dtype=bool)
+            only[list(req.sampling.allowed_token_ids)] = True
         first = True
         for n in range(1, req.max_tokens + 1):
             if job.cancelled:
                 return
             logits = np.ctypeslib.as_array(self._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
-            allowed = req.constraint.allowed() if req.constraint is not None else None
+            allowed = req.constraint.allowed() if req.constraint is not None else only
             token, logprobs = sampler.sample(logits, allowed)
             finish, stop_token = finish_reason(
                 req, token, n, len(self._cached) + 1, self.max_model_len, tok.eos_token_ids

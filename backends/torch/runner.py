@@ -53,6 +53,7 @@ class ModelRunner:
         self.full_layers, self.window_layers = model.spec.mask_kinds
         bs = kv.block_size
         self._offsets = torch.arange(bs, device=device)
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
 
     def prepare(self, step: Step, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.kv.block_size
@@ -122,6 +123,16 @@ class ModelRunner:
         for seq, entry in zip(seqs, entries):
             seq.prompt_logprobs.append(entry)  # positions arrive in order: see Sequence.scores
 
+    def _allowed_mask(self, ids: tuple[int, ...]) -> torch.Tensor:
+        """The bool mask of ``allowed_token_ids`` (one per distinct set: requests repeat them)."""
+        mask = self._masks.get(ids)
+        if mask is None:
+            if len(self._masks) >= 64:
+                self._masks.clear()
+            mask = self._masks[ids] = torch.zeros(self.sampler.vocab_size, dtype=torch.bool)
+            mask[list(ids)] = True
+        return mask
+
     def _row(self, w: Scheduled) -> RowSampling:
         seq = w.seq
         req = seq.request
@@ -134,6 +145,8 @@ class ModelRunner:
         allowed = None
         if req.constraint is not None:
             allowed = torch.from_numpy(req.constraint.allowed())
+        elif params.allowed_token_ids is not None:
+            allowed = self._allowed_mask(params.allowed_token_ids)
         return RowSampling(
             params=params,
             generator=seq.sampling_state,

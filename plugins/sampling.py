@@ -77,7 +77,10 @@ def prepare_request(request: Any, model: Any, params: Any, endpoint: str) -> Non
         params.require("allowed_token_ids", "allowed_token_ids")
     if request.prompt_logprobs is not None:
         if request.stream:
-            raise BadRequest("prompt_logprobs is not available when stream is true.", param="prompt_logprobs")
+            if request.prompt_logprobs:  # 0 is let through and ignored, as vLLM does
+                raise BadRequest("prompt_logprobs is not available when stream is true.", param="prompt_logprobs")
+            return
         # completions' echo with logprobs may already score the prompt: one pass serves both.
         params.prompt_logprobs = max(params.prompt_logprobs or 0, request.prompt_logprobs)
+        params.prompt_logprobs_field = request.prompt_logprobs
         params.require("prompt_logprobs", "prompt_logprobs")

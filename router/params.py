@@ -34,7 +34,10 @@ class GenerationParams:
     continuous_usage: bool = False
     echo: bool = False
     prompt_logprobs: int | None = None
-    """Completions' ``echo`` with ``logprobs``: score the prompt too, with this many alternatives."""
+    """Score the prompt, with this many alternatives per token (the most any use below needs)."""
+    prompt_logprobs_field: int | None = None
+    """Return vLLM's ``prompt_logprobs`` field with this many alternatives per token (asked for
+    by that extra, or by completions' ``echo`` with ``logprobs``, as vLLM does)."""
     return_token_ids: bool = False
     # chat templating
     add_generation_prompt: bool = True

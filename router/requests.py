@@ -220,5 +220,5 @@ def completion_params(request: CompletionRequest) -> GenerationParams:
         params.require("logprobs", "logprobs")
     params.echo = bool(request.echo)
     if params.echo and request.logprobs is not None:
-        params.prompt_logprobs = request.logprobs
+        params.prompt_logprobs = params.prompt_logprobs_field = request.logprobs
     return params

@@ -396,9 +396,9 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         choices=choices,
         usage=gen.report_usage(),
         prompt_token_ids=prompt if params.return_token_ids else UNSET,
-        prompt_logprobs=_prompt_logprob_entries(tok, prompt, gen.choices[0].prompt_logprobs, params.prompt_logprobs)
-        if params.prompt_logprobs is not None
-        else UNSET,
+        prompt_logprobs=UNSET
+        if params.prompt_logprobs_field is None
+        else _prompt_logprob_entries(tok, prompt, gen.choices[0].prompt_logprobs, params.prompt_logprobs_field),
     )
     return _json.encode(body)
 
@@ -591,10 +591,11 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         echo = echoes[c.prompt_index]
         logprobs = None
         if params.sampling.logprobs is not None:
-            logprobs = _completion_logprobs(tok, c.logprobs, len(echo))
             if params.echo and params.prompt_logprobs is not None:
                 prompt_lp = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.sampling.logprobs)
-                logprobs = _joined(prompt_lp, logprobs)
+                logprobs = _joined(prompt_lp, _completion_logprobs(tok, c.logprobs, _end(prompt_lp)))
+            else:
+                logprobs = _completion_logprobs(tok, c.logprobs, len(echo))
         choices.append(
             CompletionChoice(
                 index=c.index,
@@ -609,9 +610,9 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
                 ),
                 **(
                     {"prompt_logprobs": _prompt_logprob_entries(
-                        tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.prompt_logprobs
+                        tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.prompt_logprobs_field
                     )}
-                    if params.prompt_logprobs is not None
+                    if params.prompt_logprobs_field is not None
                     else {}
                 ),
             )
@@ -629,7 +630,8 @@ async def _completion_stream(
     offsets = {c.index: len(echoes[c.prompt_index]) for c in gen.choices}
     # With the prompt's logprobs the echo waits for them (they come with the first token), and
     # goes out in the choice's first chunk, before its first text, as vLLM sends it.
-    unechoed = {c.index for c in gen.choices} if params.echo and params.prompt_logprobs is not None else set()
+    scores_prompt = params.echo and want_logprobs and params.prompt_logprobs is not None
+    unechoed = {c.index for c in gen.choices} if scores_prompt else set()
 
     def chunk(choices: list[CompletionChoice], usage: Any = UNSET) -> bytes:
         return sse.event(
@@ -645,15 +647,18 @@ async def _completion_stream(
             if echo and c.index not in unechoed:
                 yield chunk([CompletionChoice(index=c.index, text=echo, logprobs=None, finish_reason=None)])
         async for c, text, _ in gen.run():
+            prompt = None
+            if c.index in unechoed:
+                unechoed.discard(c.index)
+                text = echoes[c.prompt_index] + text
+                prompt = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.sampling.logprobs)
+                offsets[c.index] = _end(prompt)
             logprobs = None
             if want_logprobs:
                 entries = c.take_logprobs()
                 logprobs = _completion_logprobs(tok, entries, offsets[c.index])
                 offsets[c.index] += sum(len(t) for t in logprobs.tokens)
-            if c.index in unechoed:
-                unechoed.discard(c.index)
-                text = echoes[c.prompt_index] + text
-                prompt = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.sampling.logprobs)
+            if prompt is not None:
                 logprobs = _joined(prompt, logprobs) if logprobs is not None else prompt
             extra: dict[str, Any] = {}
             if params.return_token_ids:
@@ -735,6 +740,13 @@ def _prompt_logprob_entries(
             entry.setdefault(str(alt_id), PromptLogprob(_clamp(alt_lp), rank, text(alt_id)))
         out.append(entry)
     return out
+
+
+def _end(lp: CompletionLogprobs) -> int:
+    """The offset after the last token: where the next token's text starts. With the prompt's
+    tokens listed, offsets count token texts (a BOS token's included), as vLLM counts them, so
+    they can run past the echoed prompt string."""
+    return lp.text_offset[-1] + len(lp.tokens[-1])
 
 
 def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:

@@ -200,3 +200,68 @@ def test_aborted_waiting_sequences_are_skipped():
     s.aborted = True
     sched.add(s)
     assert sched.schedule().work == [] and not sched.has_work()
+
+
+# --- prompt logprobs -------------------------------------------------------------------------
+
+
+def scoring_seq(tokens, arrival=0.0) -> Sequence:
+    req = EngineRequest("r", list(tokens), SamplingParams(), 8, arrival=arrival, prompt_logprobs=0)
+    return Sequence(req, lambda _: None, BS)
+
+
+def run_scored_step(sched: Scheduler):
+    """run_step, also recording an entry for every row that scores a prompt token."""
+    from backends.torch.scheduler import StepRows
+    from router.engine import TokenLogprobs
+
+    step = sched.schedule()
+    if step.work:
+        rows = StepRows.of(step.work, BS)
+        for _, j, p in rows.scored:
+            seq = step.work[j].seq
+            assert p == len(seq.prompt_logprobs)  # in order, each position once
+            seq.prompt_logprobs.append(TokenLogprobs(-1.0, []))
+    for w in step.work:
+        samples = w.samples
+        w.seq.num_computed += w.num_new
+        if samples:
+            w.seq.tokens.append(7)
+        w.seq.register_full_blocks(sched.pool)
+    return step
+
+
+def test_scored_prompt_rows_are_capped_per_step():
+    sched = Scheduler(BlockPool(64, BS), max_num_seqs=8, max_batched_tokens=64, scored_rows=5)
+    s = scoring_seq(range(14))  # 13 positions score the token after them
+    sched.add(s)
+    chunks = [run_scored_step(sched).work[0].num_new for _ in range(3)]
+    assert chunks == [5, 5, 4] and s.num_output == 1 and len(s.prompt_logprobs) == 13
+
+
+def test_scoring_sequences_share_the_cap_and_others_do_not_count():
+    sched = Scheduler(BlockPool(64, BS), max_num_seqs=8, max_batched_tokens=64, scored_rows=5)
+    plain = seq(range(20), arrival=0)
+    a, b = scoring_seq(range(9), arrival=1), scoring_seq(range(30, 39), arrival=2)
+    for s in (plain, a, b):
+        sched.add(s)
+    step = run_scored_step(sched)
+    assert [(w.seq, w.num_new) for w in step.work] == [(plain, 20), (a, 5)]  # b waits for rows
+    step = run_scored_step(sched)
+    assert [(w.seq, w.num_new) for w in step.work] == [(plain, 1), (a, 4), (b, 2)]  # a scores 3 of its 4
+    while not (a.num_output and b.num_output):
+        run_scored_step(sched)
+    assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == 8
+
+
+def test_a_scoring_sequence_takes_no_prefix_hit_past_its_scores():
+    pool = BlockPool(64, BS)
+    sched = Scheduler(pool, max_num_seqs=8, max_batched_tokens=64)
+    first = seq(range(12))
+    sched.add(first)
+    run_step(sched)  # its 3 blocks are now cached (2 full ones registered)
+    s = scoring_seq(range(12))
+    assert s.take_prefix_hits(pool) == 0
+    s.release(pool)
+    s.prompt_logprobs.extend([None] * 9)  # as if preempted after scoring 9 positions
+    assert s.take_prefix_hits(pool) == 8  # two whole blocks of scored positions

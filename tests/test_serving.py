@@ -224,7 +224,8 @@ def scoring_engine(monkeypatch):
     async def scoring(self, request):
         async for step in real(self, request):
             if step.cached_tokens is not None:  # the first step carries the prompt's scores
-                step.prompt_logprobs = [TokenLogprobs(-1.25, [(tok.word_ids["hello"], -0.25)], 2)]
+                entry = TokenLogprobs(-1.25, [(tok.word_ids["hello"], -0.25)], 2)
+                step.prompt_logprobs = [entry] * (len(request.prompt_ids) - 1)
             yield step
 
     monkeypatch.setattr(ScriptedEngine, "generate", scoring)
@@ -272,3 +273,25 @@ def test_prompt_logprobs_is_refused_when_streaming_or_not_scored(client):
     r = client.post("/v1/chat/completions", json={**MSG, "prompt_logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
     assert ENGINE.seen == []
+
+
+def test_echoed_offsets_count_token_texts_throughout(scoring_engine, client):
+    # "é" is two byte tokens, each shown as U+FFFD: the tokens' texts are longer than the echo.
+    body = {"model": "s", "prompt": "é!", "max_tokens": 2, "echo": True, "logprobs": 0}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["\ufffd", "\ufffd", "!", "hello", " world"]
+    assert lp["text_offset"] == [0, 1, 2, 3, 8]
+    evs = parse_events(client.post("/v1/completions", json={**body, "stream": True}).content)
+    assert [x for e in evs for c in e["choices"] for x in c["logprobs"]["text_offset"]] == lp["text_offset"]
+
+
+def test_each_field_gets_the_alternatives_it_asked_for(scoring_engine, client):
+    body = {"model": "s", "prompt": "hi", "max_tokens": 1, "echo": True, "logprobs": 1, "prompt_logprobs": 0}
+    c = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert ENGINE.seen[-1].prompt_logprobs == 1
+    assert c["logprobs"]["top_logprobs"][1] == {"i": -1.25, "hello": -0.25}
+    assert list(c["prompt_logprobs"][1]) == [str(ord("i"))]
+    # prompt_logprobs 0 with stream is let through and ignored (vLLM)
+    r = client.post("/v1/completions", json={"model": "s", "prompt": "hi", "max_tokens": 1, "stream": True,
+                                             "prompt_logprobs": 0})
+    assert r.status_code == 200 and ENGINE.seen[-1].prompt_logprobs is None

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen2-yarn", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen2-yarn", "qwen3",
+                                  "phi3"])
 def test_float32_on_cuda_matches_transformers_on_the_cpu(tmp_path, arch, graphs):
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, device="cuda", dtype="float32", block_size=4, max_batched_tokens=16,
@@ -67,3 +68,17 @@ def test_a_float16_kv_cache_on_cuda_graphs_and_eager_agree(tmp_path):
         finally:
             run(engine.stop())
     assert results[True] == results[False]
+
+
+def test_prompt_logprobs_on_cuda_match_transformers_on_the_cpu():
+    from test_torch_prompt_logprobs import assert_matches_reference, scored
+
+    folder = smollm2_folder()
+    engine = engine_for(folder, device="cuda", dtype="float32", max_batched_tokens=32)
+    try:
+        text = "<|im_start|>system\n" + "You are a careful assistant who answers in one sentence. " * 5
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        _, entries, _ = run(scored(engine, prompt, k=2))
+    finally:
+        run(engine.stop())
+    assert_matches_reference(entries, prompt, 2)

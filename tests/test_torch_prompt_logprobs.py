@@ -152,3 +152,18 @@ def test_the_c_step_scores_as_the_packed_torch_path_does(prompts, fmt):
     assert c_out == t_out and len(c_entries) == len(t_entries) == len(prompts[0]) - 1
     # int16 activations in C, float ones in torch: close, not equal (measured at most 0.0082).
     assert max(abs(a.logprob - b.logprob) for a, b in zip(c_entries, t_entries)) < 0.05
+
+
+def test_scored_rows_per_step_are_capped(smol, prompts):
+    steps = []
+    run_step = smol.runner.run
+    smol.runner.run = lambda step: steps.append([w.num_new for w in step.work]) or run_step(step)
+    cap, smol.scheduler.scored_rows = smol.scheduler.scored_rows, 7
+    try:
+        _, entries, _ = run(scored(smol, prompts[1], k=1))
+    finally:
+        smol.scheduler.scored_rows = cap
+        smol.runner.run = run_step
+    assert_matches_reference(entries, prompts[1], 1)
+    prefill = [n for n in (s[0] for s in steps) if n > 1]
+    assert prefill[:3] == [7, 7, 7]  # chunks of 7 where the budget would allow 32

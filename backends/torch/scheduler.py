@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from .kv_cache import BlockPool
 from .sequence import Sequence, Status
 
+SCORED_ROWS = 256
+"""At most this many prompt rows per step score the next prompt token (prompt logprobs): each
+takes the LM head and a row of logits over the whole vocabulary (with a 152k vocabulary, 256
+rows are 156 MB of float32), so a long scored prompt is cut into chunks this size."""
+
 
 @dataclass(slots=True)
 class Scheduled:
@@ -88,10 +93,13 @@ class StepRows:
 class Scheduler:
     """Waiting queue (a priority heap), running set, and the per-step plan."""
 
-    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_batched_tokens: int) -> None:
+    def __init__(
+        self, pool: BlockPool, *, max_num_seqs: int, max_batched_tokens: int, scored_rows: int = SCORED_ROWS
+    ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.scored_rows = scored_rows
         self._waiting: list[tuple[tuple, Sequence]] = []
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -123,6 +131,7 @@ class Scheduler:
     def schedule(self) -> Step:
         step = Step()
         budget = self.max_batched_tokens
+        self._scoring = self.scored_rows  # rows left this step that may score a prompt
         scheduled: set[int] = set()
         self.running.sort(key=lambda s: s.order)
         for seq in list(self.running):
@@ -130,9 +139,12 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._fit(seq, min(len(seq.tokens) - seq.num_computed, budget), scheduled, step)
+            num_new = self._chunk(seq, budget)
+            if num_new:
+                num_new = self._fit(seq, num_new, scheduled, step)
             if not num_new:
-                continue  # it was preempted itself
+                continue  # it was preempted itself, or has no scoring rows left this step
+            self._scoring -= _scored(seq, num_new)
             seq.grow(self.pool, num_new)
             step.work.append(Scheduled(seq, num_new))
             scheduled.add(seq.id)
@@ -149,6 +161,15 @@ class Scheduler:
         # Decode rows first: the attention layout expects them at the front.
         step.work.sort(key=lambda w: not w.is_decode)
         return step
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens ``seq`` would compute this step: what is left of it, within the budget,
+        cut where its rows that score the prompt would pass this step's :data:`SCORED_ROWS`."""
+        num_new = min(len(seq.tokens) - seq.num_computed, budget)
+        if _scored(seq, num_new) > self._scoring:
+            first = max(seq.num_computed, len(seq.prompt_logprobs))  # type: ignore[arg-type]
+            num_new = first - seq.num_computed + self._scoring
+        return num_new
 
     def _capacity(self, seq: Sequence) -> int:
         """How many more tokens the sequence could hold with its blocks plus all free ones."""
@@ -172,7 +193,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, step: Step) -> bool:
         first = seq.cached_tokens is None
         hits = seq.take_prefix_hits(self.pool)
-        wanted = min(len(seq.tokens) - seq.num_computed, budget)
+        wanted = self._chunk(seq, budget)
         num_new = min(wanted, self._capacity(seq))
         # With others running, only admit what fits whole: a squeezed-in chunk would just be
         # preempted again at the next block boundary. Alone, take what there is.
@@ -181,8 +202,17 @@ class Scheduler:
             return False
         if first:
             seq.cached_tokens = hits
+        self._scoring -= _scored(seq, num_new)
         seq.grow(self.pool, num_new)
         seq.status = Status.RUNNING
         self.running.append(seq)
         step.work.append(Scheduled(seq, num_new))
         return True
+
+
+def _scored(seq: Sequence, num_new: int) -> int:
+    """How many of ``seq``'s next ``num_new`` rows score a prompt token (see Sequence.scores)."""
+    done = seq.prompt_logprobs
+    if done is None:
+        return 0
+    return max(0, min(seq.num_computed + num_new, seq.num_prompt - 1) - max(seq.num_computed, len(done)))

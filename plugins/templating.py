@@ -1,9 +1,11 @@
-"""Chat-template extras (vLLM's names): ``add_generation_prompt``, ``continue_final_message``,
-``chat_template_kwargs`` and chat ``echo``."""
+"""Prompt-building extras (vLLM's names): ``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs`` and chat ``echo``; ``truncate_prompt_tokens`` on both endpoints."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+from msgspec import Meta
 
 from router.errors import BadRequest
 from router.hookspecs import RequestField, hookimpl
@@ -20,11 +22,14 @@ def request_fields() -> list[RequestField]:
                      "Extra variables for the chat template, e.g. enable_thinking."),
         RequestField("echo", bool, False, ("chat",),
                      "Prepend the last message to the reply when it is the assistant's."),
+        RequestField("truncate_prompt_tokens", Annotated[int, Meta(ge=-1)] | None, None, ("chat", "completions"),
+                     "Keep only the prompt's last k tokens (after the chat template); -1: as many as fit."),
     ]
 
 
 @hookimpl
 def prepare_request(request: Any, model: Any, params: Any, endpoint: str) -> None:
+    params.truncate_prompt_tokens = request.truncate_prompt_tokens
     if endpoint != "chat":
         return
     if request.continue_final_message and request.add_generation_prompt:

@@ -33,6 +33,8 @@ class GenerationParams:
     include_usage: bool = False
     continuous_usage: bool = False
     echo: bool = False
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (-1: as many as fit); see prompts.truncate_prompt."""
     prompt_logprobs: int | None = None
     """Score the prompt, with this many alternatives per token (the most any use below needs)."""
     prompt_logprobs_field: int | None = None

@@ -184,6 +184,22 @@ def _nonempty(prompts: list[list[int]]) -> list[list[int]]:
     return prompts
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: only the last ``keep`` prompt tokens (-1: as many as
+    leave room for ``max_tokens``, or for one token when it is not given)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max(max_model_len - (max_tokens or 1), 1)
+    elif keep == 0 or keep > max_model_len:
+        raise BadRequest(
+            f"truncate_prompt_tokens must be -1 or from 1 to the model's context length ({max_model_len}); "
+            f"got {keep}.",
+            param="truncate_prompt_tokens",
+        )
+    return ids[-keep:] if len(ids) > keep else ids
+
+
 def check_length(prompt_len: int, max_tokens: int | None, max_model_len: int, what: str) -> int:
     """The 400 for a request that does not fit the context; returns the completion budget."""
     if max_tokens is None:

@@ -24,7 +24,7 @@ from .detokenizer import IncrementalDetokenizer
 from .engine import EngineError, EngineRequest, EngineStep, SamplingParams, Tokenizer
 from .errors import APIError, BadRequest, ServerError
 from .params import GenerationParams
-from .prompts import build_chat_prompt, check_length, completion_prompts
+from .prompts import build_chat_prompt, check_length, completion_prompts, truncate_prompt
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -358,6 +358,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         template_kwargs=params.chat_template_kwargs,
         tool_format=parser.name if parser is not None else None,
     )
+    prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, params.max_tokens, engine.max_model_len)
     max_tokens = check_length(len(prompt), params.max_tokens, engine.max_model_len, "messages")
     if params.max_tokens is None and params.max_tokens_cap is not None:
         max_tokens = min(max_tokens, params.max_tokens_cap)
@@ -562,6 +563,8 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         )
     prompts = completion_prompts(request.prompt, tok)
     max_tokens = params.max_tokens if params.max_tokens is not None else min(16, params.max_tokens_cap or 16)
+    whole = prompts
+    prompts = [truncate_prompt(ids, params.truncate_prompt_tokens, max_tokens, engine.max_model_len) for ids in whole]
     for ids in prompts:
         check_length(len(ids), max_tokens, engine.max_model_len, "prompt")
     _check_logit_bias(params, tok)
@@ -577,6 +580,8 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
             echoes = list(raw)
         else:
             echoes = [tok.decode(ids) for ids in prompts]
+        # A truncated prompt echoes what the model saw.
+        echoes = [e if cut is ids else tok.decode(cut) for e, cut, ids in zip(echoes, prompts, whole)]
     model = request.model
     created = int(time.time())
     if params.stream:

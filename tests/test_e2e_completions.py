@@ -198,3 +198,28 @@ def test_allowed_token_ids_restrict_what_is_sampled(base_url, model):
     r = post(base_url, {"model": model, "prompt": "x", "allowed_token_ids": allowed,
                         "structured_outputs": {"regex": "[0-9]+"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(base_url, model):
+    text = "One, two, three, four, five, six, seven, eight, nine, ten,"
+    ids = tokenize(base_url, model, text)
+    base = {"model": model, "max_tokens": 4, "temperature": 0}
+    cut = post(base_url, {**base, "prompt": text, "truncate_prompt_tokens": 5, "echo": True}).json()
+    tail = post(base_url, {**base, "prompt": ids[-5:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 5
+    echo = httpx.post(f"{base_url}/detokenize", json={"model": model, "tokens": ids[-5:]}).json()["prompt"]
+    assert cut["choices"][0]["text"] == echo + tail["choices"][0]["text"]
+    short = post(base_url, {**base, "prompt": ids[:3], "truncate_prompt_tokens": 5}).json()
+    assert short["usage"]["prompt_tokens"] == 3  # shorter prompts stay whole
+    # -1: whatever fits beside max_tokens, where the whole prompt would be a 400
+    long = " word" * 1100
+    assert post(base_url, {**base, "prompt": long}).status_code == 400
+    fit = post(base_url, {**base, "prompt": long, "truncate_prompt_tokens": -1}).json()
+    assert fit["usage"]["prompt_tokens"] == 1024 - 4
+    for bad in (0, 1025, -2):
+        r = post(base_url, {**base, "prompt": text, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    chat = httpx.post(f"{base_url}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2,
+        "truncate_prompt_tokens": 7}).json()
+    assert chat["usage"]["prompt_tokens"] == 7

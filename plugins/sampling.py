@@ -2,10 +2,8 @@
 
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``prompt_logprobs`` and
-``allowed_token_ids``.
-Each one the request
-actually uses is declared as a capability the model must have, so a backend that cannot honour
-it answers 400 instead of ignoring it.
+``allowed_token_ids``. Each one the request actually uses is declared as a capability the model
+must have, so a backend that cannot honour it answers 400 instead of ignoring it.
 """
 
 from __future__ import annotations

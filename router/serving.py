@@ -555,7 +555,8 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         raise BadRequest("suffix is not supported.", param="suffix")
     if request.best_of is not None and request.best_of != params.n:
         raise BadRequest("best_of must equal n when given.", param="best_of")
-    if params.echo and params.prompt_logprobs is not None and "prompt_logprobs" not in backend.capabilities:
+    # Remote upstreams score prompts themselves; a local engine must be able to.
+    if _lists_prompt(params) and "prompt_logprobs" not in backend.capabilities:
         raise BadRequest(
             f"Model `{request.model}` cannot score its prompt: echo with logprobs is not supported.",
             param="echo",
@@ -596,7 +597,7 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         echo = echoes[c.prompt_index]
         logprobs = None
         if params.sampling.logprobs is not None:
-            if params.echo and params.prompt_logprobs is not None:
+            if _lists_prompt(params):
                 prompt_lp = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.sampling.logprobs)
                 logprobs = _joined(prompt_lp, _completion_logprobs(tok, c.logprobs, _end(prompt_lp)))
             else:
@@ -635,8 +636,7 @@ async def _completion_stream(
     offsets = {c.index: len(echoes[c.prompt_index]) for c in gen.choices}
     # With the prompt's logprobs the echo waits for them (they come with the first token), and
     # goes out in the choice's first chunk, before its first text, as vLLM sends it.
-    scores_prompt = params.echo and want_logprobs and params.prompt_logprobs is not None
-    unechoed = {c.index for c in gen.choices} if scores_prompt else set()
+    unechoed = {c.index for c in gen.choices} if _lists_prompt(params) else set()
 
     def chunk(choices: list[CompletionChoice], usage: Any = UNSET) -> bytes:
         return sse.event(
@@ -708,14 +708,14 @@ def _completion_logprobs(
     top: list[dict[str, float] | None] = []
     offsets: list[int] = []
     for token_id, lp in entries:
-        text = tok.token_bytes(token_id).decode("utf-8", "replace")
+        text = _token_text(tok, token_id)
         offsets.append(offset)
         offset += len(text)
         tokens.append(text)
         token_logprobs.append(_clamp(lp.logprob))
         alts: dict[str, float] = {text: _clamp(lp.logprob)}
         for alt_id, alt_lp in lp.top[:k]:
-            alts.setdefault(tok.token_bytes(alt_id).decode("utf-8", "replace"), _clamp(alt_lp))
+            alts.setdefault(_token_text(tok, alt_id), _clamp(alt_lp))
         top.append(alts)
     return CompletionLogprobs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top)
 
@@ -725,7 +725,7 @@ def _prompt_logprobs(
 ) -> CompletionLogprobs:
     """``echo`` with ``logprobs``: an entry per prompt token, offsets from the start of the
     echoed text; the first token's logprob and alternatives are null (nothing precedes it)."""
-    first = tok.token_bytes(prompt_ids[0]).decode("utf-8", "replace")
+    first = _token_text(tok, prompt_ids[0])
     rest = _completion_logprobs(tok, list(zip(prompt_ids[1:], entries or ())), len(first), k)
     return _joined(CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None]), rest)
 
@@ -735,16 +735,23 @@ def _prompt_logprob_entries(
 ) -> PromptLogprobs:
     """vLLM's ``prompt_logprobs``: null for the first token, then per token a map from token id
     to logprob, rank and text: the prompt's token first, then the ``k`` most likely (ranks 1..k)."""
-    def text(token_id: int) -> str:
-        return tok.token_bytes(token_id).decode("utf-8", "replace")
-
     out: PromptLogprobs = [None]
     for token_id, lp in zip(prompt_ids[1:], entries or ()):
-        entry = {str(token_id): PromptLogprob(_clamp(lp.logprob), lp.rank, text(token_id))}
+        entry = {str(token_id): PromptLogprob(_clamp(lp.logprob), lp.rank, _token_text(tok, token_id))}
         for rank, (alt_id, alt_lp) in enumerate(lp.top[:k], start=1):
-            entry.setdefault(str(alt_id), PromptLogprob(_clamp(alt_lp), rank, text(alt_id)))
+            entry.setdefault(str(alt_id), PromptLogprob(_clamp(alt_lp), rank, _token_text(tok, alt_id)))
         out.append(entry)
     return out
+
+
+def _token_text(tok: Tokenizer, token_id: int) -> str:
+    """A token's text as the legacy logprobs show it (a partial UTF-8 character as U+FFFD)."""
+    return tok.token_bytes(token_id).decode("utf-8", "replace")
+
+
+def _lists_prompt(params: GenerationParams) -> bool:
+    """Completions' ``echo`` with ``logprobs``: the logprobs list the prompt's tokens first."""
+    return params.echo and params.sampling.logprobs is not None
 
 
 def _end(lp: CompletionLogprobs) -> int:

@@ -121,7 +121,7 @@ class ModelRunner:
         ks = [seq.request.prompt_logprobs for seq in seqs]
         entries = self.sampler.score(logits[at], targets, ks)
         for seq, entry in zip(seqs, entries):
-            seq.prompt_logprobs.append(entry)  # positions arrive in order: see Sequence.scores
+            seq.prompt_logprobs.append(entry)  # positions arrive in order: see Sequence.scoring
 
     def _allowed_mask(self, ids: tuple[int, ...]) -> torch.Tensor:
         """The bool mask of ``allowed_token_ids`` (one per distinct set: requests repeat them)."""

@@ -73,9 +73,9 @@ class StepRows:
         for j, w in enumerate(work):
             seq, start = w.seq, w.seq.num_computed
             table = seq.block_table
-            scoring = seq.prompt_logprobs is not None
+            scoring = seq.scoring(w.num_new)
             for p in range(start, start + w.num_new):
-                if scoring and seq.scores(p):
+                if p in scoring:
                     rows.scored.append((len(rows.out_rows), j, p))
                     rows.out_rows.append(len(rows.ids))
                 rows.ids.append(seq.tokens[p])
@@ -144,7 +144,7 @@ class Scheduler:
                 num_new = self._fit(seq, num_new, scheduled, step)
             if not num_new:
                 continue  # it was preempted itself, or has no scoring rows left this step
-            self._scoring -= _scored(seq, num_new)
+            self._scoring -= len(seq.scoring(num_new))
             seq.grow(self.pool, num_new)
             step.work.append(Scheduled(seq, num_new))
             scheduled.add(seq.id)
@@ -166,9 +166,9 @@ class Scheduler:
         """The tokens ``seq`` would compute this step: what is left of it, within the budget,
         cut where its rows that score the prompt would pass this step's :data:`SCORED_ROWS`."""
         num_new = min(len(seq.tokens) - seq.num_computed, budget)
-        if _scored(seq, num_new) > self._scoring:
-            first = max(seq.num_computed, len(seq.prompt_logprobs))  # type: ignore[arg-type]
-            num_new = first - seq.num_computed + self._scoring
+        scoring = seq.scoring(num_new)
+        if len(scoring) > self._scoring:
+            num_new = scoring.start - seq.num_computed + self._scoring
         return num_new
 
     def _capacity(self, seq: Sequence) -> int:
@@ -202,17 +202,10 @@ class Scheduler:
             return False
         if first:
             seq.cached_tokens = hits
-        self._scoring -= _scored(seq, num_new)
+        self._scoring -= len(seq.scoring(num_new))
         seq.grow(self.pool, num_new)
         seq.status = Status.RUNNING
         self.running.append(seq)
         step.work.append(Scheduled(seq, num_new))
         return True
 
-
-def _scored(seq: Sequence, num_new: int) -> int:
-    """How many of ``seq``'s next ``num_new`` rows score a prompt token (see Sequence.scores)."""
-    done = seq.prompt_logprobs
-    if done is None:
-        return 0
-    return max(0, min(seq.num_computed + num_new, seq.num_prompt - 1) - max(seq.num_computed, len(done)))

@@ -42,10 +42,13 @@ class Sequence:
         # Prompt logprobs, when asked: entry p scores prompt token p + 1 (from position p's logits).
         self.prompt_logprobs: list[TokenLogprobs] | None = [] if request.prompt_logprobs is not None else None
 
-    def scores(self, position: int) -> bool:
-        """Whether ``position``'s logits are wanted to score the next prompt token."""
-        lps = self.prompt_logprobs
-        return lps is not None and len(lps) <= position < self.num_prompt - 1
+    def scoring(self, num_new: int) -> range:
+        """The positions among the next ``num_new`` whose logits score the next prompt token:
+        from the first not yet scored to the prompt's last but one (empty without prompt logprobs)."""
+        done = self.prompt_logprobs
+        if done is None:
+            return range(0)
+        return range(max(self.num_computed, len(done)), min(self.num_computed + num_new, self.num_prompt - 1))
 
     @property
     def output_ids(self) -> list[int]:

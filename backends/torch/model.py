@@ -2,8 +2,9 @@
 
 RMSNorm, rotary embeddings with the config's scaling (linear, Llama 3, YaRN), grouped-query
 attention over the paged KV cache (sliding windows on all or some layers), Qwen3's per-head
-query and key norms, SwiGLU, tied or untied embeddings. Every forward pass works on a flat batch of tokens from
-many sequences at once (continuous batching); :mod:`.attention` knows which tokens belong to whom.
+query and key norms, SwiGLU, tied or untied embeddings. Every forward pass works on a flat batch
+of tokens from many sequences at once (continuous batching); :mod:`.attention` knows which
+tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
 """
 
@@ -116,8 +117,8 @@ class ModelSpec:
 
 def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
     """The window and the layers that use it, as transformers decides them: Mistral and Phi-3
-    slide on every layer; Qwen2 and Qwen3 only with ``use_sliding_window``, on the layers ``layer_types``
-    names (transformers >= 4.53), else from ``max_window_layers`` on; Llama never."""
+    slide on every layer; Qwen2 and Qwen3 only with ``use_sliding_window``, on the layers
+    ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Llama never."""
     window = getattr(cfg, "sliding_window", None)
     if model_type == "llama" or not window:
         return None, None

@@ -183,8 +183,17 @@ class Generation:
             priority=params.priority,
             constraint=self.constraints[choice.index] if self.constraints else None,
             extras=params.extras,
-            prompt_logprobs=params.prompt_logprobs,
+            # One choice per prompt scores it; the others read its scores (prompt_scores).
+            prompt_logprobs=params.prompt_logprobs if self._leads(choice) else None,
         )
+
+    def _leads(self, choice: Choice) -> bool:
+        """Whether ``choice`` is its prompt's first (choices run prompt by prompt, n each)."""
+        return choice.index % self.params.n == 0
+
+    def prompt_scores(self, prompt_index: int) -> list[Any] | None:
+        """The engine's prompt logprobs of prompt ``prompt_index`` (from its first choice)."""
+        return self.choices[prompt_index * self.params.n].prompt_logprobs
 
     async def run(self) -> AsyncIterator[tuple[Choice, str, list[Any]]]:
         """Yield (choice, content text, tool-call deltas) whenever a choice has something new
@@ -203,12 +212,21 @@ class Generation:
             _check_finished(choice)
             return
         queue: asyncio.Queue[tuple[Choice, EngineStep | BaseException | None]] = asyncio.Queue()
+        # A prompt's other choices start once its first has its first token: by then the
+        # engine has the prompt's KV in its prefix cache, so they compute it once between them,
+        # not n times over (as vLLM forks a prompt's sequences after its prefill).
+        prefilled = {p: asyncio.Event() for p in range(len(self.prompts))}
 
         async def pump(choice: Choice) -> None:
+            leads = self._leads(choice)
             try:
+                if not leads:
+                    await prefilled[choice.prompt_index].wait()
                 async with aclosing(engine.generate(self._engine_request(choice))) as steps:
                     async for step in steps:
                         await queue.put((choice, step))
+                        if leads:
+                            prefilled[choice.prompt_index].set()
                         if step.finish_reason is not None:
                             return
                 await queue.put((choice, None))
@@ -216,6 +234,9 @@ class Generation:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 await queue.put((choice, exc))
+            finally:
+                if leads:
+                    prefilled[choice.prompt_index].set()  # whatever happened, the others go on
 
         tasks = {choice.index: asyncio.create_task(pump(choice)) for choice in self.choices}
         try:
@@ -399,7 +420,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         prompt_token_ids=prompt if params.return_token_ids else UNSET,
         prompt_logprobs=UNSET
         if params.prompt_logprobs_field is None
-        else _prompt_logprob_entries(tok, prompt, gen.choices[0].prompt_logprobs, params.prompt_logprobs_field),
+        else _prompt_logprob_entries(tok, prompt, gen.prompt_scores(0), params.prompt_logprobs_field),
     )
     return _json.encode(body)
 
@@ -598,7 +619,9 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         logprobs = None
         if params.sampling.logprobs is not None:
             if _lists_prompt(params):
-                prompt_lp = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.sampling.logprobs)
+                prompt_lp = _prompt_logprobs(
+                    tok, gen.prompts[c.prompt_index], gen.prompt_scores(c.prompt_index), params.sampling.logprobs
+                )
                 logprobs = _joined(prompt_lp, _completion_logprobs(tok, c.logprobs, _end(prompt_lp)))
             else:
                 logprobs = _completion_logprobs(tok, c.logprobs, len(echo))
@@ -616,7 +639,7 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
                 ),
                 **(
                     {"prompt_logprobs": _prompt_logprob_entries(
-                        tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.prompt_logprobs_field
+                        tok, gen.prompts[c.prompt_index], gen.prompt_scores(c.prompt_index), params.prompt_logprobs_field
                     )}
                     if params.prompt_logprobs_field is not None
                     else {}
@@ -656,7 +679,9 @@ async def _completion_stream(
             if c.index in unechoed:
                 unechoed.discard(c.index)
                 text = echoes[c.prompt_index] + text
-                prompt = _prompt_logprobs(tok, gen.prompts[c.prompt_index], c.prompt_logprobs, params.sampling.logprobs)
+                prompt = _prompt_logprobs(
+                    tok, gen.prompts[c.prompt_index], gen.prompt_scores(c.prompt_index), params.sampling.logprobs
+                )
                 offsets[c.index] = _end(prompt)
             logprobs = None
             if want_logprobs:

@@ -295,3 +295,37 @@ def test_each_field_gets_the_alternatives_it_asked_for(scoring_engine, client):
     r = client.post("/v1/completions", json={"model": "s", "prompt": "hi", "max_tokens": 1, "stream": True,
                                              "prompt_logprobs": 0})
     assert r.status_code == 200 and ENGINE.seen[-1].prompt_logprobs is None
+
+
+def test_a_prompts_other_choices_start_after_its_first_has_a_token(client, monkeypatch):
+    events = []
+    real = ScriptedEngine.generate
+
+    async def logged(self, request):
+        events.append(("start", request.request_id[-1]))
+        async for step in real(self, request):
+            events.append(("step", request.request_id[-1]))
+            yield step
+
+    monkeypatch.setattr(ScriptedEngine, "generate", logged)
+    body = {"model": "s", "prompt": ["hi", "yo"], "max_tokens": 3, "n": 2}
+    choices = client.post("/v1/completions", json=body).json()["choices"]
+    assert [c["text"] for c in choices] == ["hello world"] * 4
+    # Choices 0 and 2 lead prompts 0 and 1; 1 and 3 wait for their lead's first step.
+    assert events.index(("start", "1")) > events.index(("step", "0"))
+    assert events.index(("start", "3")) > events.index(("step", "2"))
+    # and the two leads do not wait for each other
+    assert max(events.index(("start", "0")), events.index(("start", "2"))) < events.index(("start", "1"))
+
+
+def test_with_n_the_prompt_is_scored_once(scoring_engine, client):
+    body = {"model": "s", "prompt": "hi", "max_tokens": 2, "n": 3, "echo": True, "logprobs": 0}
+    choices = client.post("/v1/completions", json=body).json()["choices"]
+    assert [r.prompt_logprobs for r in ENGINE.seen] == [0, None, None]
+    assert all(c["logprobs"]["token_logprobs"][:2] == [None, -1.25] for c in choices)
+    evs = parse_events(client.post("/v1/completions", json={**body, "stream": True}).content)
+    firsts = {}
+    for e in evs:
+        for c in e["choices"]:
+            firsts.setdefault(c["index"], c)
+    assert [firsts[i]["logprobs"]["token_logprobs"][:2] for i in range(3)] == [[None, -1.25]] * 3

@@ -19,6 +19,10 @@ def stream_events(base_url, body):
         return parse_events(r.read())
 
 
+def tokenize(base_url, model, prompt):
+    return httpx.post(f"{base_url}/tokenize", json={"model": model, "prompt": prompt}).json()["tokens"]
+
+
 def test_shape_and_default_max_tokens(base_url, model):
     body = post(base_url, {"model": model, "prompt": "The sky is", "ignore_eos": True}).json()
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
@@ -38,14 +42,13 @@ def test_stream_equals_non_stream(base_url, model):
 def test_prompt_shapes_and_indices(base_url, model):
     base = {"model": model, "max_tokens": 3, "temperature": 0}
     a = post(base_url, {**base, "prompt": "Hello"}).json()
-    ids = httpx.post(f"{base_url}/tokenize", json={"model": model, "prompt": "Hello"}).json()["tokens"]
+    ids = tokenize(base_url, model, "Hello")
     b = post(base_url, {**base, "prompt": ids}).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     many = post(base_url, {**base, "prompt": ["Hello", "Goodbye"], "n": 2}).json()
     assert [c["index"] for c in many["choices"]] == [0, 1, 2, 3]
     assert many["choices"][0]["text"] == a["choices"][0]["text"]
-    assert many["usage"]["prompt_tokens"] == len(ids) + len(
-        httpx.post(f"{base_url}/tokenize", json={"model": model, "prompt": "Goodbye"}).json()["tokens"])
+    assert many["usage"]["prompt_tokens"] == len(ids) + len(tokenize(base_url, model, "Goodbye"))
     lists = post(base_url, {**base, "prompt": [ids, ids]}).json()
     assert len(lists["choices"]) == 2
 
@@ -69,10 +72,6 @@ def test_logprobs_top_holds_the_token_itself(base_url, model):
     zero = post(base_url, {"model": model, "prompt": "One, two,", "max_tokens": 2, "temperature": 0,
                            "logprobs": 0}).json()["choices"][0]["logprobs"]
     assert [list(t) for t in zero["top_logprobs"]] == [[t] for t in zero["tokens"]]
-
-
-def tokenize(base_url, model, prompt):
-    return httpx.post(f"{base_url}/tokenize", json={"model": model, "prompt": prompt}).json()["tokens"]
 
 
 def test_echo_with_logprobs_scores_the_prompt(base_url, model):
@@ -192,7 +191,7 @@ def test_allowed_token_ids_restrict_what_is_sampled(base_url, model):
     for bad, words in [([], "at least one"), ([10**6], "outside the vocabulary")]:
         r = post(base_url, {**body, "allowed_token_ids": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids" and words in r.text
-    eos = httpx.post(f"{base_url}/tokenize", json={"model": model, "prompt": "<|im_end|>"}).json()["tokens"]
+    eos = tokenize(base_url, model, "<|im_end|>")
     r = post(base_url, {"model": model, "prompt": "x", "allowed_token_ids": eos, "min_tokens": 2})
     assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
     r = post(base_url, {"model": model, "prompt": "x", "allowed_token_ids": allowed,

@@ -119,15 +119,20 @@ void rk_quantize_rows(const float *x, int64_t M, int64_t K, int64_t xs, int64_t 
     for (int64_t m = 0; m < M; m++) dq[m] = quantize_row(x + m * xs, K, Kp, q + m * Kp);
 }
 
-/* RMSNorm (as Hugging Face computes it: x * rsqrt(mean(x^2) + eps), times the weight), then
- * quantized as rk_quantize_rows. tmp: K floats of scratch. */
+/* RMSNorm's scale of one row of K: rsqrt(mean(x^2) + eps), as Hugging Face computes it. */
+static inline float rms_inv(const float *x, int64_t K, float eps) {
+    float ss = 0.f;
+    for (int64_t k = 0; k < K; k++) ss += x[k] * x[k];
+    return 1.f / sqrtf(ss / (float)K + eps);
+}
+
+/* RMSNorm (x * rms_inv, times the weight), then quantized as rk_quantize_rows. tmp: K floats of
+ * scratch. */
 void rk_rmsnorm_quantize(const float *x, int64_t M, int64_t K, int64_t xs, const float *weight, float eps,
                          float *tmp, int64_t Kp, int16_t *q, float *dq) {
     for (int64_t m = 0; m < M; m++) {
         const float *r = x + m * xs;
-        float ss = 0.f;
-        for (int64_t k = 0; k < K; k++) ss += r[k] * r[k];
-        const float inv = 1.f / sqrtf(ss / (float)K + eps);
+        const float inv = rms_inv(r, K, eps);
         for (int64_t k = 0; k < K; k++) tmp[k] = weight[k] * (r[k] * inv);
         dq[m] = quantize_row(tmp, K, Kp, q + m * Kp);
     }
@@ -722,16 +727,14 @@ void rk_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const u
 }
 
 /* Qwen3's norms of each query and key head (before rotary), in place on qkv [M, (H + 2 KVH) D]
- * (row stride qs): x * rsqrt(mean(x^2) + eps) * weight over each head's D values. */
+ * (row stride qs): RMSNorm over each head's D values, with the query or the key weight. */
 static void head_norms(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const float *qn,
                        const float *kn, float eps) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t h = 0; h < H + KVH; h++) {
             float *x = qkv + m * qs + h * D;
             const float *w = h < H ? qn : kn;
-            float ss = 0.f;
-            for (int64_t d = 0; d < D; d++) ss += x[d] * x[d];
-            const float inv = 1.f / sqrtf(ss / (float)D + eps);
+            const float inv = rms_inv(x, D, eps);
             for (int64_t d = 0; d < D; d++) x[d] = w[d] * (x[d] * inv);
         }
 }

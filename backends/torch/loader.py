@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,11 @@ from .model import ModelSpec
 from .tokenizer import HFTokenizer
 
 log = logging.getLogger("router.torch")
+
+TRANSFORMERS = threading.RLock()
+"""Held while transformers reads a config, tokenizer or GGUF file: its lazy modules import on
+first use, and two models loading at once (each on its engine's thread) saw half-imported ones
+("cannot import name 'AutoConfig' from 'transformers'"). The weights load outside it."""
 
 
 @dataclass
@@ -59,6 +65,13 @@ def gguf_folder(path: Path) -> Path:
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
     folder = cache_dir() / "gguf" / f"{path.stem}-{key}"
     if (folder / "config.json").is_file():
+        return folder
+    with TRANSFORMERS:
+        return _convert_gguf(path, folder)
+
+
+def _convert_gguf(path: Path, folder: Path) -> Path:
+    if (folder / "config.json").is_file():  # converted by another thread meanwhile
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -94,15 +107,16 @@ def gguf_folder(path: Path) -> Path:
 def load_checkpoint(path: Path) -> Checkpoint:
     """Read a checkpoint from a Hugging Face folder or a ``.gguf`` file."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoTokenizer
+    with TRANSFORMERS:
+        from transformers import AutoConfig, AutoTokenizer
 
-    if path.is_file() and path.suffix == ".gguf":
-        path = gguf_folder(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no model folder or .gguf file at {path}")
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    spec = ModelSpec.from_hf_config(config)
-    hf_tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if path.is_file() and path.suffix == ".gguf":
+            path = gguf_folder(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no model folder or .gguf file at {path}")
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        spec = ModelSpec.from_hf_config(config)
+        hf_tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     generation_eos = None
     gen_file = path / "generation_config.json"
     if gen_file.is_file():

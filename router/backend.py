@@ -174,3 +174,49 @@ class LocalBackend(Backend):
         from . import serving
 
         return await serving.complete(self, request, params)
+
+
+class AdapterModel(Backend):
+    """A LoRA adapter of a local model, served as a model of its own name: requests for it run
+    on its parent's engine (and admission queue) with ``params.adapter`` set; readiness,
+    capabilities and limits are the parent's."""
+
+    def __init__(self, parent: Backend, adapter: str) -> None:
+        self.parent = parent
+        self.adapter = adapter
+        self.config = parent.config
+        self.base_dir = parent.base_dir
+        self._info = None
+
+    @property
+    def name(self) -> str:
+        return self.adapter
+
+    # Read through, so that they follow the parent's loading.
+    state = property(lambda self: self.parent.state)
+    error = property(lambda self: self.parent.error)
+    capabilities = property(lambda self: self.parent.capabilities)
+    max_model_len = property(lambda self: self.parent.max_model_len)
+
+    async def start(self) -> None:
+        """The parent loads (and stops) the engine."""
+
+    async def stop(self) -> None:
+        """See :meth:`start`."""
+
+    def status(self) -> dict[str, Any]:
+        return {**self.parent.status(), "parent": self.parent.name}
+
+    async def tokenize(self, request: Any) -> bytes:
+        return await self.parent.tokenize(request)
+
+    async def detokenize(self, request: Any) -> bytes:
+        return await self.parent.detokenize(request)
+
+    async def chat(self, request: Any, params: GenerationParams) -> Reply:
+        params.adapter = self.adapter
+        return await self.parent.chat(request, params)
+
+    async def complete(self, request: Any, params: GenerationParams) -> Reply:
+        params.adapter = self.adapter
+        return await self.parent.complete(request, params)

@@ -81,6 +81,11 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue: Annotated[int, Meta(ge=0)] | None = None
     """Requests waiting beyond max_concurrency; past it, 429 at once (None: no limit)."""
 
+    def adapter_names(self) -> list[str]:
+        """Further model names this entry serves (LoRA adapters of it, each a model of its own
+        on the wire); a backend's config that has such an option overrides this."""
+        return []
+
 
 class _RawConfig(Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
@@ -182,6 +187,11 @@ def parse_config(
             problems.append(f"{where}.name: `{model.name}` is already used by models[{seen[model.name]}]")
             continue
         seen[model.name] = i
+        for adapter in model.adapter_names():
+            if adapter in seen:
+                problems.append(f"{where}: adapter name `{adapter}` is already used by models[{seen[adapter]}]")
+            else:
+                seen[adapter] = i
         problems.extend(f"{where}.{p}" for p in model_problems(model, base_dir))
         models.append(model)
     for i, key in enumerate(raw.server.api_keys):

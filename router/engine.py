@@ -104,6 +104,8 @@ class EngineRequest:
     """Score the prompt (capability "prompt_logprobs"): every prompt token after the first gets its
     logprob under the model given the tokens before it, and the ``k`` most likely alternatives;
     raw model logprobs, before any sampling setting. None: off."""
+    adapter: str | None = None
+    """The LoRA adapter to generate with (a name the engine serves); None: the base model."""
 
 
 @dataclass(slots=True)

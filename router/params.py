@@ -51,6 +51,9 @@ class GenerationParams:
     parallel_tool_calls: bool = True
     constraint: Any = None
     """A :class:`router.constraints.ConstraintSpec` the output must match (structured outputs)."""
+    adapter: str | None = None
+    """The LoRA adapter the request's model name stands for (see backend.AdapterModel); None:
+    the base model."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Engine parameters a plugin defines for engines that know them (passed through as is)."""
     record: Any = None

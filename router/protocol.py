@@ -370,6 +370,7 @@ class ModelCard(Struct, kw_only=True):
     max_model_len: int | None = None
     backend: str | None = None
     ready: bool = True
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); null for a base model
 
 
 class ModelList(Struct, kw_only=True):

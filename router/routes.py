@@ -12,7 +12,7 @@ from litestar.types import Receive, Scope, Send
 
 from . import __version__
 from .auth import OPEN_PATHS
-from .backend import Backend
+from .backend import AdapterModel, Backend
 from .connection import header, read_body, scope_state
 from .errors import APIError, BadRequest, ErrorBody
 from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
@@ -222,6 +222,7 @@ def _card(state: RouterState, backend: Backend) -> ModelCard:
         max_model_len=backend.max_model_len,
         backend=backend.config.backend,
         ready=backend.ready,
+        parent=backend.parent.name if isinstance(backend, AdapterModel) else None,
     )
 
 
@@ -279,7 +280,7 @@ async def openapi(request: Request) -> Response[bytes]:
     if state.openapi is None:
         from .openapi import build
 
-        state.openapi = _encoder.encode(build(state.types, list(state.models)))
+        state.openapi = _encoder.encode(build(state.types, [b.name for b in state.visible(None)]))
     return json_response(state.openapi)
 
 

@@ -183,6 +183,7 @@ class Generation:
             priority=params.priority,
             constraint=self.constraints[choice.index] if self.constraints else None,
             extras=params.extras,
+            adapter=params.adapter,
             # One choice per prompt scores it; the others read its scores (prompt_scores).
             prompt_logprobs=params.prompt_logprobs if self._leads(choice) else None,
         )

@@ -10,7 +10,7 @@ from typing import Iterable
 
 from .admission import AdmissionQueue
 from .auth import Keyring
-from .backend import Backend
+from .backend import AdapterModel, Backend
 from .config import RouterConfig
 from .errors import ModelNotFound
 from .metrics import RouterMetrics
@@ -33,6 +33,12 @@ class RouterState:
         self.queues = {
             m.name: AdmissionQueue(m.name, m.max_concurrency, m.max_queue) for m in config.models
         }
+        # LoRA adapters: models of their own names on their parent's engine and queue.
+        self.adapters: dict[str, Backend] = {}
+        for backend in list(self.models.values()):
+            for name in backend.config.adapter_names():
+                self.adapters[name] = AdapterModel(backend, name)
+                self.queues[name] = self.queues[backend.name]
         self.keyring = Keyring(config)
         self.metrics = RouterMetrics(self.gauges)
         self.created = int(time.time())
@@ -41,13 +47,18 @@ class RouterState:
 
     def model(self, name: str, allowed: frozenset[str] | None = None) -> Backend:
         """The model called ``name``, if it exists and the caller's key may use it (else 404)."""
-        backend = self.models.get(name)
+        backend = self.models.get(name) or self.adapters.get(name)
         if backend is None or (allowed is not None and name not in allowed):
             raise ModelNotFound(name)
         return backend
 
     def visible(self, allowed: frozenset[str] | None) -> list[Backend]:
-        return [b for n, b in self.models.items() if allowed is None or n in allowed]
+        """The models this caller may use, each base model followed by its adapters."""
+        every = [b for base in self.models.values() for b in (base, *self._adapters_of(base))]
+        return [b for b in every if allowed is None or b.name in allowed]
+
+    def _adapters_of(self, base: Backend) -> list[Backend]:
+        return [self.adapters[name] for name in base.config.adapter_names()]
 
     # --- lifecycle ------------------------------------------------------------------------
 

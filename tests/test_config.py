@@ -106,3 +106,21 @@ def test_resolve_secret(monkeypatch):
     assert resolve_secret("plain") == "plain"
     with pytest.raises(ValueError):
         resolve_secret("env:ROUTER_TEST_MISSING")
+
+
+def test_lora_adapter_names_are_model_names():
+    """Each adapter is a model on the wire: its name may not clash with any other model's or
+    adapter's, and a limited key may name it."""
+    torch_model = '[[models]]\nname="{}"\nbackend="torch"\npath="x"\nlora_modules={{{}}}\n'
+    ok = parse_config((torch_model.format("a", 'a-pirate="p", a-poet="q"')
+                       + '[[keys]]\nkey="k"\nmodels=["a-poet"]\n').encode(), BACKENDS)
+    assert ok.models[0].adapter_names() == ["a-pirate", "a-poet"]
+    assert problems(torch_model.format("a", 'x="p"') + torch_model.format("b", 'x="q"')) == [
+        "models[1]: adapter name `x` is already used by models[0]"
+    ]
+    assert problems(torch_model.format("a", 'a="p"')) == ["models[0]: adapter name `a` is already used by models[0]"]
+    assert problems(torch_model.format("a", 'b="p"') + '[[models]]\nname="b"\nbackend="llamacpp"\npath="y"\n') == [
+        "models[1].name: `b` is already used by models[0]"
+    ]
+    (p,) = problems('[[models]]\nname="a"\nbackend="llamacpp"\npath="y"\nlora_modules={b="p"}\n')
+    assert p.startswith("models[0]") and "lora_modules" in p

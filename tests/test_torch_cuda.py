@@ -82,3 +82,23 @@ def test_prompt_logprobs_on_cuda_match_transformers_on_the_cpu():
     finally:
         run(engine.stop())
     assert_matches_reference(entries, prompt, 2)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_lora_adapters_on_cuda_match_transformers_with_them_merged(tmp_path, graphs):
+    """Adapter rows run eagerly beside captured base-model decode steps; float32 on the GPU."""
+    from test_torch_lora import all_at_once, engine_with
+    from torch_models import merged_checkpoint, write_lora
+
+    base = tiny_checkpoint(tmp_path / "llama", "llama")
+    adapter = write_lora(tmp_path / "ad", base)
+    merged = merged_checkpoint(base, adapter, tmp_path / "merged")
+    engine = engine_with(base, {"ad": adapter}, device="cuda", dtype="float32", cuda_graphs=graphs, max_num_seqs=16)
+    try:
+        prompts = random_prompts(1, (5, 23, 40, 11))
+        jobs = [(p, a) for p in prompts for a in (None, "ad")]
+        outs = all_at_once(engine, jobs, 16)
+    finally:
+        run(engine.stop())
+    for (p, a), out in zip(jobs, outs):
+        assert out == hf_greedy(base if a is None else merged, p, 16)

@@ -195,3 +195,27 @@ def test_a_shape_that_will_not_capture_runs_eagerly_from_then_on(tmp_path, caplo
     assert attempts and len(attempts) == len(set(attempts))  # each shape tried once, not every step
     assert set(attempts) == graphs.failed
     assert "not captured, runs eagerly" in caplog.text
+
+
+def test_adapter_rows_leave_the_static_path_and_base_rows_keep_it(tmp_path):
+    """Static (graph) steps know only the base weights: a step with LoRA rows runs eagerly, a
+    base-only step still runs static; both match transformers (the adapter merged for its rows)."""
+    from test_torch_lora import all_at_once
+    from torch_models import merged_checkpoint, write_lora
+
+    folder = tiny_checkpoint(tmp_path / "llama", "llama")
+    adapter = write_lora(tmp_path / "ad", folder)
+    merged = merged_checkpoint(folder, adapter, tmp_path / "merged")
+    engine = static_engine(folder, block_size=4, max_batched_tokens=16, lora_modules={"ad": adapter})
+    try:
+        shapes = counting(engine)
+        prompts = random_prompts(9, (6, 14))
+        base_only = all_at_once(engine, [(p, None) for p in prompts], 12)
+        static_steps = len(shapes)
+        jobs = [(p, a) for p in prompts for a in (None, "ad")]
+        mixed = all_at_once(engine, jobs, 12)
+    finally:
+        run(engine.stop())
+    assert static_steps >= 11 and len(shapes) == static_steps  # no static step once adapter rows ran
+    assert base_only == [hf_greedy(folder, p, 12) for p in prompts]
+    assert mixed == [hf_greedy(folder if a is None else merged, p, 12) for p, a in jobs]

@@ -142,7 +142,7 @@ def test_the_c_step_scores_as_the_packed_torch_path_does(prompts, fmt):
     try:
         calls = []
         logits = engine.runner.decoder.logits
-        engine.runner.decoder.logits = lambda step, rows=None: calls.append(1) or logits(step, rows)
+        engine.runner.decoder.logits = lambda step, *rest: calls.append(1) or logits(step, *rest)
         c_out, c_entries, _ = run(scored(engine, prompts[0], k=2))
         assert calls  # the prompt's chunks ran in C
         engine.runner.decoder = None

@@ -93,3 +93,64 @@ def _hf_model(folder: Path):
         model.generation_config.eos_token_id = None  # generate() merges its defaults back in
         _cache[folder] = model
     return _cache[folder]
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora(folder: Path, base: Path, *, rank: int = 4, alpha: float = 8.0, targets=LORA_TARGETS,
+               seed: int = 1, zero_b: bool = False, **config) -> Path:
+    """A random PEFT LoRA adapter of ``base`` (a checkpoint folder) for ``targets``, saved as PEFT
+    saves one (``adapter_config.json``, ``adapter_model.safetensors``, PEFT's weight names).
+    ``B`` is random too (PEFT starts it at zero), so that the adapter changes the output;
+    ``zero_b``: zero, the adapter is then the base model."""
+    import json
+
+    from safetensors.torch import save_file
+
+    base_model = _hf_model(base)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in base_model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in targets and isinstance(module, torch.nn.Linear):
+            a = torch.randn(rank, module.in_features, generator=gen) * 0.2
+            b = torch.zeros(module.out_features, rank) if zero_b else torch.randn(module.out_features, rank, generator=gen) * 0.2
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+                "bias": "none", "lora_dropout": 0.0, "use_rslora": False, "use_dora": False,
+                "modules_to_save": None, "fan_in_fan_out": False, "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": str(base), **config}
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+def merged_checkpoint(base: Path, adapter: Path, out: Path) -> Path:
+    """``base`` with ``adapter`` merged into its weights (W + s B A, as PEFT's merge_and_unload):
+    the reference for what serving the adapter must give."""
+    import json
+    import math
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    r = settings["r"]
+    scale = settings["lora_alpha"] / (math.sqrt(r) if settings.get("use_rslora") else r)
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for key, a in weights.items():
+            if ".lora_A." in key:
+                name = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+                b = weights[key.replace(".lora_A.", ".lora_B.")]
+                modules[name].weight += scale * (b @ a)
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (base / f).exists():
+            shutil.copy(base / f, out / f)
+    return out

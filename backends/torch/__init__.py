@@ -14,6 +14,7 @@ router.toml::
     max_batched_tokens = 512 # tokens per step (prefill chunks + decodes)
     weight_format = "int4"   # CPU: "fp16" (fbgemm), "int8" or "int4" (own C kernels); default "native"
     cuda_graphs = true       # CUDA: decode steps replayed from captured graphs
+    lora_modules = { smollm2-pirate = "adapters/pirate" }  # LoRA adapters, each served as a model
 
 torch and transformers are imported only when a model of this backend loads.
 """
@@ -59,6 +60,15 @@ class TorchConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
     prefix_caching: bool = True
     num_threads: Annotated[int, Meta(ge=1)] | None = None
     seed: int | None = None
+    lora_modules: dict[Annotated[str, Meta(min_length=1)], str] = {}
+    """LoRA adapters of this model, name -> PEFT folder (``adapter_config.json`` and
+    ``adapter_model.safetensors``; ``pkg:`` allowed). Each is served as a model of that name
+    (``parent``: this one) from the base weights in memory; a step may mix rows of the base model
+    and of any adapters (vLLM's ``--lora-modules``). Steps with adapter rows run the torch path
+    (not the int8/int4 formats' one C call, nor captured CUDA graphs)."""
+
+    def adapter_names(self) -> list[str]:
+        return list(self.lora_modules)
 
 
 class TorchBackend(LocalBackend):
@@ -70,7 +80,8 @@ class TorchBackend(LocalBackend):
     def create_engine(self) -> Engine:
         from .setup import build_engine
 
-        return build_engine(self.config, resolve_path(self.config.path, self.base_dir))
+        adapters = {name: resolve_path(path, self.base_dir) for name, path in self.config.lora_modules.items()}
+        return build_engine(self.config, resolve_path(self.config.path, self.base_dir), adapters)
 
 
 @hookimpl

@@ -28,10 +28,15 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from .kv_cache import KVCache
 from .model import CausalLM
 from .quantize import PackedLinear
 from .scheduler import Scheduled, Step, StepRows
+
+if TYPE_CHECKING:
+    from .lora import LoraAdapter
 
 PROMPT_POSITIONS = 65_536
 """Above this many (prompt token, attended position) pairs in a step, the step runs as torch
@@ -123,6 +128,37 @@ class CpuDecoder:
             raise ValueError("CpuDecoder needs one group size for every projection")
         if any(lin.bits != self._plan.bits for lin in linears if lin is not head):
             raise ValueError("CpuDecoder needs one width (8 or 4 bits) for every projection of the layers")
+        self._f32 = f32
+        self.serves_adapters = False
+
+    def attach_adapters(self, adapters: list[LoraAdapter]) -> bool:
+        """Describe LoRA adapters (index i + 1 is ``adapters[i]``) to C, so that steps with adapter
+        rows run here too; False (nothing attached) where one does not fit C's limits (more parts
+        to one projection than ``LORA_PARTS``, a rank above ``LORA_RANK``): those steps then run
+        the torch path."""
+        import ctypes
+
+        from .native import LORA_PARTS, LORA_RANK, RkLora
+
+        which = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
+        layers = self.spec.num_layers
+        entries = [
+            (((i * layers + layer) * 4 + which[module]) * LORA_PARTS + p, part)
+            for i, adapter in enumerate(adapters)
+            for (layer, module), parts in adapter.parts.items()
+            for p, part in enumerate(parts)
+        ]
+        if any(len(parts) > LORA_PARTS for a in adapters for parts in a.parts.values()) or any(
+            a.shape[0] > LORA_RANK for _, (_, _, a, _) in entries
+        ):
+            return False
+        table = (RkLora * (len(adapters) * layers * 4 * LORA_PARTS))()
+        for at, (start, end, a, b) in entries:
+            table[at] = RkLora(self._f32(a), self._f32(b.T), a.shape[0], start, end - start)
+        self._lora = table  # kept alive: C reads it every step
+        self._plan.lora = ctypes.cast(table, ctypes.POINTER(RkLora))
+        self.serves_adapters = True
+        return True
 
     def accepts(self, step: Step) -> bool:
         """Whether this step runs here: any number of decoding sequences, and prompt chunks whose
@@ -131,10 +167,11 @@ class CpuDecoder:
         work = step.work
         return len(work) > 0 and prompt_positions(work) <= self.prompt_positions
 
-    def logits(self, step: Step, rows: StepRows | None = None) -> torch.Tensor:
+    def logits(self, step: Step, rows: StepRows | None = None, row_adapters: list[int] | None = None) -> torch.Tensor:
         """Logits ``[len(rows.out_rows), vocab]`` for a step (``rows``: its :class:`StepRows`, built
         here when not given): the sampling rows in the order of ``step.work``, with any rows that
-        score prompts among them."""
+        score prompts among them. ``row_adapters``: each row's LoRA adapter (0: none; see
+        :meth:`attach_adapters`), or None when no row has one."""
         spec = self.spec
         rows = rows if rows is not None else StepRows.of(step.work, self.kv.block_size)
         m, s = len(rows.ids), len(rows.out_rows)
@@ -151,11 +188,14 @@ class CpuDecoder:
         gate_up = f32(m, 2 * spec.intermediate_size)
         xsum = f32(m * self._kp // self._plan.group)
         logits = f32(s, self._plan.vocab)
+        adapter_t = torch.tensor(row_adapters, dtype=torch.long) if row_adapters is not None else None
+        if adapter_t is not None and not self.serves_adapters:
+            raise ValueError("a step with adapter rows, and no adapters attached to the C decoder")
         ok = self._k.decode_step(
             self._plan, m, x.data_ptr(), pos_t.data_ptr(), slot_t.data_ptr(), table_t.data_ptr(), rows.width,
             tab_of_t.data_ptr(), len_t.data_ptr(), max(rows.lengths), out_t.data_ptr(), s, q.data_ptr(),
             dq.data_ptr(), tmp.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), xsum.data_ptr(),
-            logits.data_ptr(),
+            logits.data_ptr(), adapter_t.data_ptr() if adapter_t is not None else None,
         )
         if not ok:
             raise MemoryError("no memory for the attention scores of this step")

@@ -15,7 +15,8 @@ import gc
 import logging
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Callable
 
 import torch
@@ -53,6 +54,7 @@ class EngineOptions:
     # Decode-only steps on static buffers (graphs.py): "capture" replays CUDA graphs; "eager"
     # runs the same padded path without capturing (how it is tested without a GPU); "off".
     decode_graphs: str = "off"
+    lora_modules: dict[str, Path] = field(default_factory=dict)  # adapter name -> PEFT LoRA folder
 
 
 def release_freed_memory() -> None:
@@ -150,6 +152,17 @@ class TorchEngine:
             from .cpu_decode import CpuDecoder
 
             decoder = CpuDecoder(self.model, self.kv)
+        self.adapters = None
+        if options.lora_modules:  # after the C decoder read the packed projections it calls
+            from .lora import Adapters, load_adapter
+
+            loaded = [
+                load_adapter(name, path, spec, options.dtype, options.device)
+                for name, path in options.lora_modules.items()
+            ]
+            self.adapters = Adapters(self.model, loaded, options.device)
+            if decoder is not None and not decoder.attach_adapters(loaded):
+                log.warning("LoRA adapters beyond the C decoder's limits: their steps run as torch operations")
         decode_graphs = None
         if graphs:
             from .graphs import DecodeGraphs
@@ -166,7 +179,7 @@ class TorchEngine:
                 decode_graphs.capture_all()
         self.runner = ModelRunner(
             self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids,
-            decoder=decoder, graphs=decode_graphs,
+            decoder=decoder, graphs=decode_graphs, adapters=self.adapters,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -203,9 +216,14 @@ class TorchEngine:
                 f"prompt ({len(request.prompt_ids)}) plus max_tokens ({request.max_tokens}) exceeds "
                 f"the engine's context of {self.max_model_len} tokens"
             )
+        adapter = 0
+        if request.adapter is not None:
+            if self.adapters is None or request.adapter not in self.adapters.index:
+                raise EngineError(f"this engine serves no LoRA adapter `{request.adapter}`")
+            adapter = self.adapters.index_of(request.adapter)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineStep | BaseException] = asyncio.Queue()
-        seq = Sequence(request, queue.put_nowait, self.options.block_size)
+        seq = Sequence(request, queue.put_nowait, self.options.block_size, adapter)
         seq.loop = loop
         with self._cv:
             if self._closing:

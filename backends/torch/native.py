@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 9
+ABI = 10
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -49,6 +49,16 @@ class RkLayer(ctypes.Structure):
     ]
 
 
+class RkLora(ctypes.Structure):
+    """``rk_lora``: one part of a LoRA adapter of one projection (``a`` 0: no such part)."""
+
+    _fields_ = [("a", _P), ("bt", _P), ("rank", _I), ("first", _I), ("span", _I)]
+
+
+LORA_PARTS = 3  # RK_LORA_PARTS: per projection and adapter
+LORA_RANK = 1024  # RK_LORA_RANK: the most rank one part may have in C
+
+
 class RkModel(ctypes.Structure):
     """``rk_model``: a whole model's shapes and weights for ``rk_decode_step``."""
 
@@ -60,6 +70,7 @@ class RkModel(ctypes.Structure):
         ("final_norm", _P), ("cos", _P), ("sin", _P),
         ("lm_head", _P), ("lm_head_kp", _I),
         ("bits", ctypes.c_int), ("lm_head_bits", ctypes.c_int), ("kv_kind", ctypes.c_int),
+        ("lora", ctypes.POINTER(RkLora)),
     ]
 
 
@@ -99,7 +110,7 @@ class CpuKernels:
         self.decode_attention.restype = ctypes.c_int
         self.decode_step = lib.rk_decode_step
         self.decode_step.argtypes = [
-            ctypes.POINTER(RkModel), _I, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P,
+            ctypes.POINTER(RkModel), _I, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P,
         ]
         self.decode_step.restype = ctypes.c_int
 

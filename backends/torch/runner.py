@@ -18,6 +18,7 @@ from .scheduler import Scheduled, Step, StepRows
 if TYPE_CHECKING:
     from .cpu_decode import CpuDecoder
     from .graphs import DecodeGraphs
+    from .lora import Adapters
 
 
 @dataclass(slots=True)
@@ -39,10 +40,12 @@ class ModelRunner:
         eos_ids: frozenset[int],
         decoder: CpuDecoder | None = None,
         graphs: DecodeGraphs | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         self.model = model
         self.decoder = decoder  # the packed formats' one C call for steps that decode or compute short prompts
         self.graphs = graphs  # decode-only steps on static buffers (CUDA graphs)
+        self.adapters = adapters  # LoRA: steps with adapter rows run the model's torch path
         self.kv = kv
         self.sampler = sampler
         self.device = device
@@ -91,10 +94,14 @@ class ModelRunner:
     def run(self, step: Step) -> list[Sampled]:
         """Compute one step; advance every scheduled sequence; return the sampled tokens."""
         logits, rows = None, None
-        if self.decoder is not None and self.decoder.accepts(step):
+        # LoRA rows: the C decoder adds them itself once it has the adapters; captured graphs
+        # know only the base weights.
+        adapted = self.adapters is not None and self.adapters.select(step.work)
+        decoder = self.decoder
+        if decoder is not None and (not adapted or decoder.serves_adapters) and decoder.accepts(step):
             rows = StepRows.of(step.work, self.kv.block_size)
-            logits = self.decoder.logits(step, rows)
-        elif self.graphs is not None and (shape := self.graphs.shape(step)) is not None:
+            logits = decoder.logits(step, rows, self.adapters.row_adapters(step.work) if adapted else None)
+        elif not adapted and self.graphs is not None and (shape := self.graphs.shape(step)) is not None:
             # Decode rows only: each samples, none scores a prompt.
             logits = self.graphs.logits(step, shape)  # None: that shape could not be captured
         if logits is None:

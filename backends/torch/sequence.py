@@ -22,7 +22,9 @@ class Status(enum.Enum):
 class Sequence:
     """Prompt plus generated tokens, the blocks holding their KV, and how far prefill got."""
 
-    def __init__(self, request: EngineRequest, deliver: Callable[[Any], None], block_size: int) -> None:
+    def __init__(
+        self, request: EngineRequest, deliver: Callable[[Any], None], block_size: int, adapter: int = 0
+    ) -> None:
         self.id = next(_ids)
         self.block_size = block_size
         self.request = request
@@ -32,6 +34,9 @@ class Sequence:
         self.num_computed = 0  # tokens whose keys and values are in the cache
         self.block_table: list[int] = []
         self._hashes: list[int] = []  # chain hash of each full block of `tokens`
+        self.adapter = adapter  # the LoRA adapter's index (lora.Adapters); 0: the base model
+        # Under an adapter the same tokens have other keys and values: its chain starts elsewhere.
+        self._root = hash(("lora", request.adapter)) if adapter else None
         self._registered = 0  # blocks already offered to the prefix cache
         self.status = Status.WAITING
         self.cached_tokens: int | None = None  # prefix-cache hits at first admission
@@ -67,7 +72,7 @@ class Sequence:
         bs = self.block_size
         while len(self._hashes) <= index:
             i = len(self._hashes)
-            parent = self._hashes[i - 1] if i else None
+            parent = self._hashes[i - 1] if i else self._root
             self._hashes.append(chain_hash(parent, self.tokens[i * bs : (i + 1) * bs]))
         return self._hashes[index]
 

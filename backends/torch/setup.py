@@ -36,7 +36,8 @@ def kv_budget(config, device: torch.device, dtype: torch.dtype, checkpoint) -> i
     return 1 << 30
 
 
-def build_engine(config, path: Path) -> TorchEngine:  # type: ignore[no-untyped-def]
+def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) -> TorchEngine:  # type: ignore[no-untyped-def]
+    """The engine for a ``[[models]]`` entry; ``adapters``: its LoRA folders by served name."""
     device = pick_device(config.device)
     if config.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -65,12 +66,13 @@ def build_engine(config, path: Path) -> TorchEngine:  # type: ignore[no-untyped-
         seed=config.seed,
         weight_format=config.weight_format,
         decode_graphs="capture" if device.type == "cuda" and config.cuda_graphs else "off",
+        lora_modules=dict(adapters or {}),
     )
     engine = TorchEngine(load, options)
     log.info(
-        "torch engine: %s %s, %d %s KV blocks of %d tokens, context %d, decode graphs %s",
+        "torch engine: %s %s, %d %s KV blocks of %d tokens, context %d, decode graphs %s, %d LoRA adapters",
         device, str(dtype).removeprefix("torch."), engine.pool.num_blocks,
         str(engine.kv.k[0].dtype).removeprefix("torch."), config.block_size, engine.max_model_len,
-        options.decode_graphs,
+        options.decode_graphs, len(options.lora_modules),
     )
     return engine

@@ -1,0 +1,229 @@
+"""LoRA adapters: many fine-tunes of one base model, served from one copy of its weights.
+
+An adapter (a PEFT ``adapter_config.json`` + ``adapter_model.safetensors`` folder) adds a
+low-rank product to some projections: ``W x`` becomes ``W x + s B (A x)`` with ``A`` of shape
+``[r, in]``, ``B`` of ``[out, r]`` and ``s = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA). Each
+adapter is served as a model of its own name; a step may mix rows of the base model and of several
+adapters, so the base projection runs once over every row and each adapter's product is added to
+its own rows only (what vLLM's punica kernels do, grouped per adapter instead of per row).
+
+The model's q, k and v (and gate and up) are one fused matrix here: an adapter of ``q_proj``
+writes into the query columns of ``qkv_proj``. Adapters of the embeddings, the LM head or with
+extra trained modules (``modules_to_save``), DoRA, or per-module rank/alpha patterns are refused
+by name when the model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .model import CausalLM, ModelSpec
+    from .scheduler import Scheduled
+
+
+class AdapterError(ValueError):
+    """An adapter this engine cannot serve (the message names the adapter and what is wrong)."""
+
+
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+_UNSUPPORTED = {
+    "use_dora": "DoRA (`use_dora`)",
+    "modules_to_save": "`modules_to_save` (fully trained extra modules)",
+    "layers_to_transform": "`layers_to_transform`",
+    "rank_pattern": "per-module ranks (`rank_pattern`)",
+    "alpha_pattern": "per-module alphas (`alpha_pattern`)",
+    "fan_in_fan_out": "`fan_in_fan_out` (Conv1D-style weights)",
+}
+
+
+def _targets(spec: ModelSpec) -> dict[str, tuple[str, int, int, int]]:
+    """PEFT's module names -> (our module, first output column, end column, input size)."""
+    q, kv, h, i = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, spec.intermediate_size
+    return {
+        "q_proj": ("qkv_proj", 0, q, h),
+        "k_proj": ("qkv_proj", q, q + kv, h),
+        "v_proj": ("qkv_proj", q + kv, q + 2 * kv, h),
+        "qkv_proj": ("qkv_proj", 0, q + 2 * kv, h),  # Phi-3 adapters: the fused matrix, as ours
+        "o_proj": ("o_proj", 0, h, q),
+        "gate_proj": ("gate_up_proj", 0, i, h),
+        "up_proj": ("gate_up_proj", i, 2 * i, h),
+        "gate_up_proj": ("gate_up_proj", 0, 2 * i, h),
+        "down_proj": ("down_proj", 0, h, i),
+    }
+
+
+@dataclass
+class LoraAdapter:
+    """One loaded adapter: per (layer, our module), the low-rank pairs that add to its output
+    columns, ``B`` already multiplied by the scale."""
+
+    name: str
+    path: Path
+    rank: int
+    scale: float
+    # (layer, module) -> [(first column, end column, A [r, in], s * B [out, r])]
+    parts: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+
+def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+    """Read a PEFT LoRA folder and check it against the base model's shapes."""
+    from safetensors.torch import load_file
+
+    def fail(why: str) -> AdapterError:
+        return AdapterError(f"lora_modules.{name} ({folder}): {why}")
+
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_file.is_file():
+        raise fail("no adapter_config.json (a PEFT LoRA folder is expected)")
+    if not weights_file.is_file():
+        raise fail("no adapter_model.safetensors (adapters saved as .bin are not read; save with safetensors)")
+    try:
+        config = json.loads(config_file.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise fail(f"adapter_config.json is not JSON: {exc}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise fail(f"peft_type `{config.get('peft_type')}` is not supported; only LORA")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise fail(f"{what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise fail(f"bias `{config['bias']}` is not supported; only \"none\" (no trained biases)")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+        raise fail("adapter_config.json needs an integer `r` >= 1 and a number `lora_alpha`")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    targets = _targets(spec)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(weights_file)).items():
+        m = _KEY.search(key)
+        if m is None:
+            raise fail(f"weight `{key}`: only the layers' projections can be adapted (q/k/v/o, gate/up/down)")
+        layer, module, side = int(m.group(1)), m.group(2), m.group(3)
+        if module not in targets:
+            raise fail(f"weight `{key}`: module `{module}` is not supported; supported: {', '.join(targets)}")
+        if layer >= spec.num_layers:
+            raise fail(f"weight `{key}`: the base model has {spec.num_layers} layers")
+        pairs.setdefault((layer, module), {})[side] = tensor
+    if not pairs:
+        raise fail("adapter_model.safetensors holds no LoRA weights")
+    adapter = LoraAdapter(name, folder, rank, scale)
+    for (layer, module), pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise fail(f"layer {layer} `{module}` has lora_{''.join(pair)} without its pair")
+        ours, start, end, in_features = targets[module]
+        a, b = pair["A"], pair["B"]
+        if a.shape != (rank, in_features) or b.shape != (end - start, rank):
+            raise fail(
+                f"layer {layer} `{module}`: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
+                f"{(rank, in_features)} and {(end - start, rank)} (r = {rank} on this base model)"
+            )
+        a = a.to(device=device, dtype=dtype)
+        b = (b.float() * scale).to(device=device, dtype=dtype)
+        adapter.parts.setdefault((layer, ours), []).append((start, end, a, b))
+    return adapter
+
+
+class LoraBatch:
+    """Which rows of the running step belong to which adapter: ``(adapter index, rows)`` per
+    adapter present, the rows a slice where they are consecutive, else an index tensor; set by
+    :meth:`Adapters.select` before every forward pass."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+
+
+class LoraLinear(nn.Module):
+    """A projection (float, fp16-packed or int8/int4-packed) plus the low-rank products of the
+    adapters that adapt it, each added to its own rows of the step."""
+
+    def __init__(self, base: nn.Module, batch: LoraBatch) -> None:
+        super().__init__()
+        self.base = base
+        self.batch = batch
+        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor, slice]] = {}  # index -> (A, s * B, columns)
+
+    def add(self, index: int, parts: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+        """Two matmuls per adapter whatever it adapts of a fused matrix: the A's stacked
+        ``[sum r, in]``, the B's block-diagonal over the columns they span (zero where the
+        adapter leaves a part alone, e.g. k between q and v)."""
+        a = torch.cat([a for _, _, a, _ in parts])
+        first, end = min(p[0] for p in parts), max(p[1] for p in parts)
+        b = a.new_zeros(end - first, a.shape[0])
+        r0 = 0
+        for start, stop, part_a, part_b in parts:
+            b[start - first : stop - first, r0 : r0 + part_a.shape[0]] = part_b
+            r0 += part_a.shape[0]
+        self.adapters[index] = (a, b, slice(first, end))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for index, rows in self.batch.groups:
+            entry = self.adapters.get(index)
+            if entry is None:
+                continue
+            a, b, columns = entry
+            if isinstance(rows, slice):  # the usual case: a sequence's rows, or a run of them
+                y[rows, columns] += (x[rows] @ a.T) @ b.T
+            else:
+                y[:, columns].index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+        return y
+
+
+class Adapters:
+    """The adapters one engine serves, by name; wraps the projections they adapt."""
+
+    MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+    def __init__(self, model: CausalLM, adapters: list[LoraAdapter], device: torch.device) -> None:
+        self.index = {a.name: i for i, a in enumerate(adapters, start=1)}  # 0: the base model
+        self.adapters = adapters
+        self.batch = LoraBatch()
+        self.device = device
+        wrapped: dict[tuple[int, str], LoraLinear] = {}
+        for index, adapter in enumerate(adapters, start=1):
+            for (layer, module), parts in adapter.parts.items():
+                lin = wrapped.get((layer, module))
+                if lin is None:
+                    owner = _owner(model.layers[layer], module)
+                    lin = wrapped[(layer, module)] = LoraLinear(getattr(owner, module), self.batch)
+                    setattr(owner, module, lin)
+                lin.add(index, parts)
+
+    def index_of(self, name: str) -> int:
+        return self.index[name]
+
+    def select(self, work: list[Scheduled]) -> bool:
+        """Point the wrapped projections at this step's rows (in the order of ``work``, each
+        sequence's ``num_new`` rows together); whether any row uses an adapter."""
+        groups: dict[int, list[int]] = {}
+        row = 0
+        for w in work:
+            if w.seq.adapter:
+                groups.setdefault(w.seq.adapter, []).extend(range(row, row + w.num_new))
+            row += w.num_new
+        self.batch.groups = [(index, self._rows(rows)) for index, rows in groups.items()]
+        return bool(groups)
+
+    @staticmethod
+    def row_adapters(work: list[Scheduled]) -> list[int]:
+        """Each row's adapter index (0: the base model), rows in the order of ``work``: what the
+        C decoder reads (:meth:`.cpu_decode.CpuDecoder.attach_adapters`)."""
+        return [w.seq.adapter for w in work for _ in range(w.num_new)]
+
+    def _rows(self, rows: list[int]) -> slice | torch.Tensor:
+        if rows[-1] - rows[0] == len(rows) - 1:
+            return slice(rows[0], rows[-1] + 1)
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _owner(layer: nn.Module, module: str) -> nn.Module:
+    return layer.self_attn if module in ("qkv_proj", "o_proj") else layer.mlp

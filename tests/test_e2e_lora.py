@@ -1,0 +1,117 @@
+"""End to end: LoRA adapters of torch models served as models of their own names, over HTTP
+with the openai SDK and raw requests."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from server import GGUF, RouterProcess
+from torch_models import hf_greedy, merged_checkpoint, smollm2_folder, tiny_checkpoint, write_lora
+
+ADMIN, POET = "admin-key", "every-only-key"
+
+
+@pytest.fixture(scope="module")
+def lora_router(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-e2e")
+    base = tiny_checkpoint(root / "tiny", "llama")
+    every = write_lora(root / "every", base, seed=3)
+    qv = write_lora(root / "qv", base, rank=2, alpha=4.0, targets=("q_proj", "v_proj"), seed=4)
+    zero = write_lora(root / "zero", smollm2_folder(), zero_b=True, targets=("q_proj", "down_proj"))
+    config = f"""
+[server]
+api_keys = ["{ADMIN}"]
+
+[[keys]]
+key = "{POET}"
+models = ["tiny-every"]
+
+[[models]]
+name = "tiny"
+backend = "torch"
+path = "{base}"
+max_model_len = 256
+kv_cache_gb = 0.02
+block_size = 4
+lora_modules = {{ tiny-every = "{every}", tiny-qv = "{qv}" }}
+
+[[models]]
+name = "smol"
+backend = "torch"
+path = "{GGUF}"
+max_model_len = 512
+kv_cache_gb = 0.1
+weight_format = "int4"
+lora_modules = {{ smol-zero = "{zero}" }}
+"""
+    router = RouterProcess(config, root)
+    yield router, {"tiny": base, "tiny-every": merged_checkpoint(base, every, root / "every-merged"),
+                   "tiny-qv": merged_checkpoint(base, qv, root / "qv-merged")}
+    router.stop()
+
+
+def get(router, path, key=ADMIN):
+    return httpx.get(f"{router.url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def post(router, path, body, key=ADMIN):
+    return httpx.post(f"{router.url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def test_models_lists_each_adapter_after_its_parent(lora_router):
+    router, _ = lora_router
+    cards = get(router, "/v1/models").json()["data"]
+    assert [(c["id"], c["parent"]) for c in cards] == [
+        ("tiny", None), ("tiny-every", "tiny"), ("tiny-qv", "tiny"), ("smol", None), ("smol-zero", "smol"),
+    ]
+    card = get(router, "/v1/models/tiny-qv").json()
+    assert card["parent"] == "tiny" and card["backend"] == "torch" and card["max_model_len"] == 256
+    assert get(router, "/health").status_code == 200
+
+
+def test_a_key_limited_to_an_adapter_sees_and_uses_only_it(lora_router):
+    router, _ = lora_router
+    assert [c["id"] for c in get(router, "/v1/models", POET).json()["data"]] == ["tiny-every"]
+    body = {"prompt": [5, 6, 7], "max_tokens": 2}
+    assert post(router, "/v1/completions", {**body, "model": "tiny-every"}, POET).status_code == 200
+    r = post(router, "/v1/completions", {**body, "model": "tiny"}, POET)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "The model `tiny` does not exist."
+
+
+def test_completions_under_each_adapter_match_transformers_with_it_merged(lora_router):
+    router, references = lora_router
+    prompt = [17, 4000, 123, 9, 31000, 77, 5, 2500, 640, 12]
+    for model, folder in references.items():
+        body = post(router, "/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True,
+        }).json()
+        assert body["model"] == model
+        assert body["choices"][0]["token_ids"] == hf_greedy(folder, prompt, 10), model
+    assert len({tuple(hf_greedy(f, prompt, 10)) for f in references.values()}) == 3  # they differ
+
+
+def test_chat_stream_on_an_adapter_with_the_openai_sdk(lora_router):
+    """A zero adapter of the int4 GGUF model (steps on the torch path) says what its parent says
+    (the C path): same tokens, each chunk named by the model asked for, usage that adds up."""
+    router, _ = lora_router
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=ADMIN)
+    messages = [{"role": "user", "content": "Name three colours."}]
+
+    def chat(model):
+        chunks = list(client.chat.completions.create(
+            model=model, messages=messages, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        ))
+        assert {c.model for c in chunks} == {model}
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, chunks[-1].usage
+
+    (base_text, base_usage), (text, usage) = chat("smol"), chat("smol-zero")
+    assert text == base_text and len(text) > 10
+    assert usage.prompt_tokens == base_usage.prompt_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    tokens = post(router, "/tokenize", {"model": "smol-zero", "messages": messages}).json()
+    assert tokens["count"] == usage.prompt_tokens

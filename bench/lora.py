@@ -4,8 +4,8 @@ model and under an adapter, alternating, in one process.
 The bundled SmolLM2 with a random rank-``--rank`` adapter on all seven projections of every
 layer (the worst case; a q/v adapter costs less). ``--streams`` requests at once, each a fresh
 prompt of ``--prompt`` random tokens and ``--max-tokens`` new ones; prints the wall time and
-tokens/s of each way and their ratio. With ``--weight-format int4`` the base model's steps run the
-one C call and the adapter's the packed torch path (``Adapters``): that difference is in the ratio.
+tokens/s of each way and their ratio. With ``--weight-format int8`` or ``int4`` both run the one C
+call, which adds the adapter's rows itself (``lora_add``).
 
     .venv/bin/python bench/lora.py                                   # float32, 1 and 8 streams
     .venv/bin/python bench/lora.py --weight-format int4 --streams 1,8

@@ -131,6 +131,7 @@ def _models(args: argparse.Namespace) -> int:
         else:
             state = "not served (no router answering on the configured address)"
         rows.append((m.name, m.backend, state))
+        rows.extend((adapter, f"{m.backend} (LoRA of {m.name})", state) for adapter in m.adapter_names())
     width = [max(len(r[i]) for r in rows) for i in range(2)]
     for r in rows:
         print(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}")

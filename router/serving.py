@@ -434,7 +434,7 @@ def _tool_parser(backend: "LocalBackend", params: GenerationParams) -> Any:
     name = backend.config.tool_parser
     if name is None:
         raise BadRequest(
-            f"Model `{backend.name}` has no tool_parser configured, so it cannot take tools.",
+            f"Model `{params.adapter or backend.name}` has no tool_parser configured, so it cannot take tools.",
             param="tools",
         )
     from .constraints import ConstraintSpec

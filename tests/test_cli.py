@@ -47,3 +47,14 @@ def test_models_lists_with_readiness(tmp_path, server):
     cfg.write_text(f'[server]\nport = 1\n[[models]]\nname="smollm2"\nbackend="llamacpp"\npath="{GGUF}"\n')
     out = run("models", "--config", str(cfg))
     assert "not served" in out.stdout
+
+
+def test_models_lists_lora_adapters_under_their_parent(tmp_path):
+    cfg = tmp_path / "r.toml"
+    cfg.write_text('[server]\nport = 1\n[[models]]\nname="t"\nbackend="torch"\npath="x"\n'
+                   'lora_modules = { t-pirate = "a", t-poet = "b" }\n')
+    out = run("models", "--config", str(cfg))
+    assert out.returncode == 0
+    lines = out.stdout.splitlines()[1:]
+    assert [line.split()[0] for line in lines] == ["t", "t-pirate", "t-poet"]
+    assert "torch (LoRA of t)" in lines[1] and "not served" in lines[2]

@@ -20,6 +20,7 @@ def lora_router(tmp_path_factory):
     every = write_lora(root / "every", base, seed=3)
     qv = write_lora(root / "qv", base, rank=2, alpha=4.0, targets=("q_proj", "v_proj"), seed=4)
     zero = write_lora(root / "zero", smollm2_folder(), zero_b=True, targets=("q_proj", "down_proj"))
+    some = write_lora(root / "some", smollm2_folder(), targets=("v_proj", "up_proj"), seed=5)
     config = f"""
 [server]
 api_keys = ["{ADMIN}"]
@@ -44,7 +45,7 @@ path = "{GGUF}"
 max_model_len = 512
 kv_cache_gb = 0.1
 weight_format = "int4"
-lora_modules = {{ smol-zero = "{zero}" }}
+lora_modules = {{ smol-zero = "{zero}", smol-some = "{some}" }}
 """
     router = RouterProcess(config, root)
     yield router, {"tiny": base, "tiny-every": merged_checkpoint(base, every, root / "every-merged"),
@@ -65,6 +66,7 @@ def test_models_lists_each_adapter_after_its_parent(lora_router):
     cards = get(router, "/v1/models").json()["data"]
     assert [(c["id"], c["parent"]) for c in cards] == [
         ("tiny", None), ("tiny-every", "tiny"), ("tiny-qv", "tiny"), ("smol", None), ("smol-zero", "smol"),
+        ("smol-some", "smol"),
     ]
     card = get(router, "/v1/models/tiny-qv").json()
     assert card["parent"] == "tiny" and card["backend"] == "torch" and card["max_model_len"] == 256
@@ -94,8 +96,9 @@ def test_completions_under_each_adapter_match_transformers_with_it_merged(lora_r
 
 
 def test_chat_stream_on_an_adapter_with_the_openai_sdk(lora_router):
-    """A zero adapter of the int4 GGUF model (steps on the torch path) says what its parent says
-    (the C path): same tokens, each chunk named by the model asked for, usage that adds up."""
+    """On the int4 GGUF model (adapter rows added inside the one C call): an adapter whose B is
+    zero says what its parent says, token for token; a real one says something else; each chunk
+    is named by the model asked for and the usage adds up."""
     router, _ = lora_router
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=ADMIN)
     messages = [{"role": "user", "content": "Name three colours."}]
@@ -111,6 +114,7 @@ def test_chat_stream_on_an_adapter_with_the_openai_sdk(lora_router):
 
     (base_text, base_usage), (text, usage) = chat("smol"), chat("smol-zero")
     assert text == base_text and len(text) > 10
+    assert chat("smol-some")[0] != base_text
     assert usage.prompt_tokens == base_usage.prompt_tokens
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     tokens = post(router, "/tokenize", {"model": "smol-zero", "messages": messages}).json()

@@ -173,6 +173,34 @@ def adapter_steps_in_c(engine):
     return calls
 
 
+def test_adapters_beyond_the_c_limits_run_the_packed_torch_path(tmp_path):
+    """Four parts to one projection (q, k, v and the fused qkv as well) is more than C's table
+    holds: nothing is attached, and those steps take the torch path, with its output."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_checkpoint(tmp_path / "llama", "llama")
+    folder = write_lora(tmp_path / "ad", base, targets=("q_proj", "k_proj", "v_proj"))
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    for layer in range(2):
+        key = f"base_model.model.model.layers.{layer}.self_attn.qkv_proj"
+        weights[f"{key}.lora_A.weight"] = torch.randn(4, 64, generator=gen) * 0.2
+        weights[f"{key}.lora_B.weight"] = torch.randn(64 + 2 * 32, 4, generator=gen) * 0.2
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    prompts = random_prompts(2, (5, 23))
+    outputs = {}
+    for kernels in (True, False):
+        engine = engine_with(base, {"ad": folder}, weight_format="int8")
+        try:
+            assert not engine.runner.decoder.serves_adapters
+            if not kernels:
+                engine.runner.decoder = None
+            outputs[kernels] = all_at_once(engine, [(p, a) for p in prompts for a in (None, "ad")], 12)
+        finally:
+            run(engine.stop())
+    assert outputs[True] == outputs[False] and outputs[True][0] != outputs[True][1]
+
+
 def all_at_once_base(base, fmt, prompt):
     engine = engine_with(base, {}, weight_format=fmt)
     try:
@@ -249,6 +277,8 @@ def test_load_reads_ranks_scales_and_slices(llama, spec, tmp_path):
         ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
         ({"alpha_pattern": {"q_proj": 8}}, "alpha_pattern"),
         ({"layers_to_transform": [0]}, "layers_to_transform"),
+        ({"lora_bias": True}, "lora_bias"),
+        ({"trainable_token_indices": [5, 6]}, "trainable_token_indices"),
         ({"bias": "all"}, 'bias `all` is not supported; only "none"'),
         ({"peft_type": "IA3"}, "peft_type `IA3` is not supported"),
         ({"r": 0}, "integer `r` >= 1"),

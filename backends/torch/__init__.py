@@ -64,8 +64,9 @@ class TorchConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
     """LoRA adapters of this model, name -> PEFT folder (``adapter_config.json`` and
     ``adapter_model.safetensors``; ``pkg:`` allowed). Each is served as a model of that name
     (``parent``: this one) from the base weights in memory; a step may mix rows of the base model
-    and of any adapters (vLLM's ``--lora-modules``). Steps with adapter rows run the torch path
-    (not the int8/int4 formats' one C call, nor captured CUDA graphs)."""
+    and of any adapters (vLLM's ``--lora-modules``). Under int8/int4 the one C call adds adapter
+    rows itself; on CUDA, steps with adapter rows run eagerly (captured graphs hold the base
+    weights only)."""
 
     def adapter_names(self) -> list[str]:
         return list(self.lora_modules)

@@ -134,25 +134,26 @@ class CpuDecoder:
     def attach_adapters(self, adapters: list[LoraAdapter]) -> bool:
         """Describe LoRA adapters (index i + 1 is ``adapters[i]``) to C, so that steps with adapter
         rows run here too; False (nothing attached) where one does not fit C's limits (more parts
-        to one projection than ``LORA_PARTS``, a rank above ``LORA_RANK``): those steps then run
-        the torch path."""
+        to one projection than ``RK_LORA_PARTS``, a rank above ``RK_LORA_RANK``): those steps then
+        run the torch path."""
         import ctypes
 
-        from .native import LORA_PARTS, LORA_RANK, RkLora
+        from .native import RkLora
 
+        parts_per, max_rank = self._k.lora_parts, self._k.lora_rank
         which = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
         layers = self.spec.num_layers
         entries = [
-            (((i * layers + layer) * 4 + which[module]) * LORA_PARTS + p, part)
+            (((i * layers + layer) * 4 + which[module]) * parts_per + p, part)
             for i, adapter in enumerate(adapters)
             for (layer, module), parts in adapter.parts.items()
             for p, part in enumerate(parts)
         ]
-        if any(len(parts) > LORA_PARTS for a in adapters for parts in a.parts.values()) or any(
-            a.shape[0] > LORA_RANK for _, (_, _, a, _) in entries
+        if any(len(parts) > parts_per for a in adapters for parts in a.parts.values()) or any(
+            a.shape[0] > max_rank for _, (_, _, a, _) in entries
         ):
             return False
-        table = (RkLora * (len(adapters) * layers * 4 * LORA_PARTS))()
+        table = (RkLora * (len(adapters) * layers * 4 * parts_per))()
         for at, (start, end, a, b) in entries:
             table[at] = RkLora(self._f32(a), self._f32(b.T), a.shape[0], start, end - start)
         self._lora = table  # kept alive: C reads it every step
@@ -198,6 +199,6 @@ class CpuDecoder:
             logits.data_ptr(), adapter_t.data_ptr() if adapter_t is not None else None,
         )
         if not ok:
-            raise MemoryError("no memory for the attention scores of this step")
+            raise MemoryError("no memory for the scratch of this step (attention scores, adapter rows)")
         return logits
 

@@ -34,7 +34,8 @@ log = logging.getLogger("router.torch")
 TRANSFORMERS = threading.RLock()
 """Held while transformers reads a config, tokenizer or GGUF file: its lazy modules import on
 first use, and two models loading at once (each on its engine's thread) saw half-imported ones
-("cannot import name 'AutoConfig' from 'transformers'"). The weights load outside it."""
+("cannot import name 'AutoConfig' from 'transformers'"). A checkpoint's safetensors load outside
+it; a GGUF file's first conversion (the whole model, once per file) inside."""
 
 
 @dataclass

@@ -42,6 +42,8 @@ _UNSUPPORTED = {
     "rank_pattern": "per-module ranks (`rank_pattern`)",
     "alpha_pattern": "per-module alphas (`alpha_pattern`)",
     "fan_in_fan_out": "`fan_in_fan_out` (Conv1D-style weights)",
+    "lora_bias": "trained biases on lora_B (`lora_bias`)",
+    "trainable_token_indices": "trained token embeddings (`trainable_token_indices`)",
 }
 
 

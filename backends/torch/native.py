@@ -55,9 +55,6 @@ class RkLora(ctypes.Structure):
     _fields_ = [("a", _P), ("bt", _P), ("rank", _I), ("first", _I), ("span", _I)]
 
 
-LORA_PARTS = 3  # RK_LORA_PARTS: per projection and adapter
-LORA_RANK = 1024  # RK_LORA_RANK: the most rank one part may have in C
-
 
 class RkModel(ctypes.Structure):
     """``rk_model``: a whole model's shapes and weights for ``rk_decode_step``."""
@@ -90,6 +87,8 @@ class CpuKernels:
         if lib.rk_abi() != ABI:
             raise NativeKernelsUnavailable(f"{path} has ABI {lib.rk_abi()}, expected {ABI}")
         self.threads = lib.rk_threads
+        # LoRA: parts per projection and adapter (rk_lora entries), and the most rank of a part.
+        self.lora_parts, self.lora_rank = lib.rk_lora_parts(), lib.rk_lora_rank()
         self.simd = bool(lib.rk_simd())
         self.quantize_rows = lib.rk_quantize_rows
         self.quantize_rows.argtypes = [_P, _I, _I, _I, _I, _P, _P]

@@ -45,7 +45,7 @@ class ModelRunner:
         self.model = model
         self.decoder = decoder  # the packed formats' one C call for steps that decode or compute short prompts
         self.graphs = graphs  # decode-only steps on static buffers (CUDA graphs)
-        self.adapters = adapters  # LoRA: steps with adapter rows run the model's torch path
+        self.adapters = adapters  # LoRA: which rows of a step use which adapter (lora.py)
         self.kv = kv
         self.sampler = sampler
         self.device = device

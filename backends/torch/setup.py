@@ -24,14 +24,16 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def kv_budget(config, device: torch.device, dtype: torch.dtype, checkpoint) -> int:  # type: ignore[no-untyped-def]
+def kv_budget(config, device: torch.device, dtype: torch.dtype, checkpoint, adapter_bytes: int = 0) -> int:  # type: ignore[no-untyped-def]
     """Bytes for the KV cache: ``kv_cache_gb``; else on CUDA a fraction of what the weights
-    leave free; else 1 GiB of RAM."""
+    (and the LoRA adapters' files, an upper bound of their size on the device) leave free; else
+    1 GiB of RAM."""
     if config.kv_cache_gb is not None:
         return int(config.kv_cache_gb * (1 << 30))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         weights = sum(t.numel() for t in checkpoint.weights.values()) * torch.empty((), dtype=dtype).element_size()
+        weights += adapter_bytes
         return int(max(free - weights, 0) * config.kv_cache_fraction)
     return 1 << 30
 
@@ -49,7 +51,9 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) ->
     def load():  # type: ignore[no-untyped-def]
         # Runs on the engine thread; the budget needs the weights' size, hence decided here.
         checkpoint = load_checkpoint(path)
-        options.kv_cache_bytes = kv_budget(config, device, dtype, checkpoint)
+        files = [folder / "adapter_model.safetensors" for folder in options.lora_modules.values()]
+        adapter_bytes = sum(f.stat().st_size for f in files if f.is_file())
+        options.kv_cache_bytes = kv_budget(config, device, dtype, checkpoint, adapter_bytes)
         options.max_model_len = config.max_model_len or checkpoint.spec.max_position
         return checkpoint
 

@@ -749,20 +749,23 @@ typedef struct {
 
 #define RK_LORA_PARTS 3 /* per projection: q, k and v of the fused qkv (or gate and up), else one */
 #define RK_LORA_RANK 1024 /* the most rank one part may have here (cpu_decode.py checks) */
+int rk_lora_parts(void) { return RK_LORA_PARTS; }
+int rk_lora_rank(void) { return RK_LORA_RANK; }
 
 /* Adds each adapted row's low-rank products for projection `which` (0 qkv, 1 o, 2 gate_up,
  * 3 down) of `layer`, from the quantized input (q, dq: the rows rk_linear just read) into out
  * [M, os]. row_adapter[m]: the row's adapter (0: the base model's row, untouched); table: per
- * adapter, layer and projection, RK_LORA_PARTS parts. Each row is computed alone, the same way
- * whatever else the step holds. */
+ * adapter, layer and projection, RK_LORA_PARTS parts. scratch: K floats for each of the
+ * rk_threads() threads. Each row is computed alone, the same way whatever else the step holds. */
 static void lora_add(const rk_lora *table, int64_t layers, int64_t layer, int which, const int64_t *row_adapter,
-                     const int16_t *q, const float *dq, int64_t M, int64_t Kp, int64_t K, float *out, int64_t os) {
+                     const int16_t *q, const float *dq, int64_t M, int64_t Kp, int64_t K, float *out, int64_t os,
+                     float *scratch) {
 #pragma omp parallel for schedule(static) if (M >= 4)
     for (int64_t m = 0; m < M; m++) {
         const int64_t ad = row_adapter[m];
         if (ad <= 0) continue;
         const rk_lora *parts = table + (((ad - 1) * layers + layer) * 4 + which) * RK_LORA_PARTS;
-        float x[K]; /* the row as rk_linear saw it: its int16 values (times dq[m], applied below) */
+        float *x = scratch + thread_index() * K; /* the row as rk_linear saw it (times dq[m], below) */
         for (int64_t k = 0; k < K; k++) x[k] = (float)q[m * Kp + k];
         for (int p = 0; p < RK_LORA_PARTS; p++) {
             const rk_lora *l = parts + p;
@@ -818,8 +821,8 @@ typedef struct {
  * last row of a prompt's final chunk; the rows of other chunks only fill the cache. Scratch:
  * q [M, max kp] int16, dq [M], tmp [max(hidden, inter)], qkv, attn, gate_up (one row each per
  * token), xsum [M max kp / group]. row_adapter [M]: each row's LoRA adapter (0: none), or NULL when
- * no row has one. Out: logits [S, vocab]. Returns 0 (nothing computed) when the attention's scratch
- * cannot be allocated. */
+ * no row has one. Out: logits [S, vocab]. Returns 0 (nothing computed) when the attention's or the
+ * adapters' scratch cannot be allocated. */
 int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, const int64_t *slot,
                    const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t max_len,
                    const int64_t *out_rows, int64_t S, int16_t *q, float *dq, float *tmp, float *qkv, float *attn,
@@ -829,27 +832,33 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
     float *scores = malloc((size_t)(rk_threads() * RK_SHARE * max_len) * sizeof(float));
     if (!scores) return 0;
     const int lora = md->lora && row_adapter;
-    const int64_t L = md->num_layers;
+    const int64_t L = md->num_layers, K_max = H > I ? (H > attn_size ? H : attn_size) : (I > attn_size ? I : attn_size);
+    float *lx = lora ? malloc((size_t)(rk_threads() * K_max) * sizeof(float)) : NULL;
+    if (lora && !lx) {
+        free(scores);
+        return 0;
+    }
     for (int64_t i = 0; i < md->num_layers; i++) {
         const rk_layer *l = md->layers + i;
         rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
         rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
-        if (lora) lora_add(md->lora, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size);
+        if (lora) lora_add(md->lora, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
         if (l->q_norm) head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
         attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, md->cos, md->sin, l->k_cache, l->v_cache, slot,
                   table, tw, tab_of, len, md->block_size, l->window, md->scale, max_len, md->kv_kind, scores, attn);
         rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, x, H, 1, xsum);
-        if (lora) lora_add(md->lora, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, x, H);
+        if (lora) lora_add(md->lora, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, x, H, lx);
         rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
         rk_linear(q, dq, M, l->gate_up_kp, l->gate_up, md->group, md->bits,
                   l->gate_up_bias, 2 * I, gate_up, 2 * I, 0, xsum);
-        if (lora) lora_add(md->lora, L, i, 2, row_adapter, q, dq, M, l->gate_up_kp, H, gate_up, 2 * I);
+        if (lora) lora_add(md->lora, L, i, 2, row_adapter, q, dq, M, l->gate_up_kp, H, gate_up, 2 * I, lx);
         rk_silu_mul_quantize(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
         rk_linear(q, dq, M, l->down_kp, l->down, md->group, md->bits, l->down_bias, H, x, H, 1, xsum);
-        if (lora) lora_add(md->lora, L, i, 3, row_adapter, q, dq, M, l->down_kp, I, x, H);
+        if (lora) lora_add(md->lora, L, i, 3, row_adapter, q, dq, M, l->down_kp, I, x, H, lx);
     }
     free(scores);
+    free(lx);
     for (int64_t s = 0; s < S; s++) /* out_rows[s] >= s (ascending): no source is overwritten before it is read */
         if (out_rows[s] != s) memcpy(x + s * H, x + out_rows[s] * H, (size_t)H * sizeof(float));
     if (S == 0) return 1;

@@ -38,9 +38,13 @@ class RouterProcess:
             stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
         )
-        self.wait_listening()
-        if wait_ready:
-            self.wait_health(200)
+        try:
+            self.wait_listening()
+            if wait_ready:
+                self.wait_health(200)
+        except BaseException:
+            self.stop()  # a router that never got ready must not outlive the failed fixture
+            raise
 
     def wait_listening(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

@@ -53,6 +53,11 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Keys (``env:NAME`` or the key itself) that may use every model."""
     shutdown_timeout: Annotated[float, Meta(ge=0)] = 30.0
     """On SIGTERM, how long running requests may take to finish."""
+    runtime_lora_updating: bool = False
+    """Serve ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's, which it
+    opens with VLLM_ALLOW_RUNTIME_LORA_UPDATING): LoRA adapters of a model whose engine takes
+    them, loaded from the router's file system while it serves. Off: those paths are 404. With
+    ``api_keys``, only those keys (not a ``[[keys]]`` entry limited to some models) may call them."""
     limits: Limits = msgspec.field(default_factory=Limits)
 
 

@@ -86,6 +86,7 @@ _encoder = msgspec.json.Encoder()
 # msgspec reports the path of a bad value as "- at `$.messages[0].role`".
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`")
+_MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]*)`")
 
 
 def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> BadRequest:
@@ -105,6 +106,11 @@ def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) ->
         name = unknown.group("name")
         param = f"{path}.{name}" if path else name
         return BadRequest(f"Unrecognized request argument supplied: {param}", param=param)
+    missing = _MISSING.match(text)
+    if missing:  # the field that is not there is the one at fault
+        name = missing.group("name")
+        param = f"{path}.{name}" if path else name
+        return BadRequest(f"Missing required field: {param}", param=param)
     if isinstance(exc, msgspec.ValidationError):
         where = f" at `{path}`" if path else ""
         return BadRequest(f"Invalid value{where}: {text}", param=path)

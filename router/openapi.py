@@ -18,16 +18,19 @@ from .protocol import (
     Completion,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
 )
 from .requests import RequestTypes
 
 _ERRORS = {
     "400": "Invalid request: the field at fault is in `param`.",
     "401": "Missing or wrong API key (when keys are configured).",
+    "403": "A key limited to some models may not do this.",
     "404": "Unknown model (or one this key may not use).",
     "413": "Body too large.",
     "429": "The model's admission queue is full; see Retry-After.",
@@ -56,15 +59,16 @@ class Version(msgspec.Struct):
     version: str
 
 
-def build(types: RequestTypes, model_names: list[str]) -> dict[str, Any]:
-    """The OpenAPI 3.1 document for an app with these request types and models."""
+def build(types: RequestTypes, model_names: list[str], lora_updates: bool = False) -> dict[str, Any]:
+    """The OpenAPI 3.1 document for an app with these request types and models (and the LoRA
+    load/unload endpoints when ``[server] runtime_lora_updating`` serves them)."""
     models = [
         types.chat, types.completions, TokenizeRequest, DetokenizeRequest,
         ChatCompletion, Completion, ModelList, ModelCard, TokenizeResponse, DetokenizeResponse,
-        ErrorEnvelope, Health, Version,
+        ErrorEnvelope, Health, Version, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
     ]
     (chat_req, comp_req, tok_req, detok_req, chat_resp, comp_resp, model_list, model_card, tok_resp,
-     detok_resp, envelope, health, version), components = msgspec.json.schema_components(
+     detok_resp, envelope, health, version, load_req, unload_req), components = msgspec.json.schema_components(
         models, ref_template="#/components/schemas/{name}"
     )
 
@@ -132,6 +136,21 @@ def build(types: RequestTypes, model_names: list[str]) -> dict[str, Any]:
             "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
             **errors("401", "500")}}},
     }
+    if lora_updates:
+        def plain(summary: str, body: dict) -> dict[str, Any]:
+            return {"post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                "responses": {"200": {"description": "Success: a sentence saying so.",
+                                      "content": {"text/plain": {"schema": {"type": "string"}}}},
+                              **errors("400", "401", "403", "404", "500", "503")},
+            }}
+
+        paths["/v1/load_lora_adapter"] = plain("Load a LoRA adapter and serve it as a model (vLLM)", load_req)
+        paths["/v1/unload_lora_adapter"] = plain("Stop serving a LoRA adapter (vLLM)", unload_req)
+    else:
+        for name in ("LoadLoraAdapterRequest", "UnloadLoraAdapterRequest"):
+            components.pop(name, None)
     return {
         "openapi": "3.1.0",
         "info": {"title": "router", "version": __version__,

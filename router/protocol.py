@@ -196,6 +196,22 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
 
 
+class LoadLoraAdapterRequest(Strict, kw_only=True):
+    """``POST /v1/load_lora_adapter`` (vLLM's shape; ``model`` names the base model where the
+    router serves more than one that takes adapters)."""
+
+    lora_name: Annotated[str, Meta(min_length=1)]
+    lora_path: Annotated[str, Meta(min_length=1)]
+    model: str | None = None
+
+
+class UnloadLoraAdapterRequest(Strict, kw_only=True):
+    """``POST /v1/unload_lora_adapter`` (vLLM's shape; ``lora_int_id`` accepted and unused)."""
+
+    lora_name: Annotated[str, Meta(min_length=1)]
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(Strict, kw_only=True):
     """``POST /tokenize`` (vLLM's shape): either ``prompt`` or ``messages``."""
 

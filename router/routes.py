@@ -15,7 +15,14 @@ from .auth import OPEN_PATHS
 from .backend import AdapterModel, Backend
 from .connection import header, read_body, scope_state
 from .errors import APIError, BadRequest, ErrorBody
-from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from .protocol import (
+    DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    UnloadLoraAdapterRequest,
+)
 from .requests import chat_params, check_limits, completion_params, decode_body
 from .responses import DisconnectWatch, Relay, event_stream, json_reply, json_response, unless_disconnected
 from .state import RouterState
@@ -280,8 +287,50 @@ async def openapi(request: Request) -> Response[bytes]:
     if state.openapi is None:
         from .openapi import build
 
-        state.openapi = _encoder.encode(build(state.types, [b.name for b in state.visible(None)]))
+        names = [b.name for b in state.visible(None)]
+        state.openapi = _encoder.encode(build(state.types, names, state.config.server.runtime_lora_updating))
     return json_response(state.openapi)
 
 
-ROUTES = [chat_completions, completions, tokenize, detokenize, list_models, get_model, health, version, metrics, openapi]
+# --- LoRA adapters at run time ------------------------------------------------------------
+
+_load_lora_decoder = msgspec.json.Decoder(LoadLoraAdapterRequest)
+_unload_lora_decoder = msgspec.json.Decoder(UnloadLoraAdapterRequest)
+
+
+def _lora_updates_allowed(request: Request) -> RouterState:
+    """The state, if ``[server] runtime_lora_updating`` is on (else 404, as an unknown path) and
+    the caller's key may use every model (else 403)."""
+    state = state_of(request)
+    if not state.config.server.runtime_lora_updating:
+        raise APIError("Not Found", status=404, code="not_found")
+    if _allowed(request) is not None:
+        raise APIError("Loading and unloading LoRA adapters needs a key that may use every model.",
+                       status=403, type="permission_error", code="forbidden")
+    return state
+
+
+def _plain(text: str, request: Request) -> Response[str]:
+    return Response(content=text, media_type="text/plain; charset=utf-8", headers=_rid_header(request))
+
+
+@post("/v1/load_lora_adapter", status_code=200)
+async def load_lora_adapter(request: Request) -> Response[str]:
+    """vLLM's: load a LoRA adapter from the server's file system and serve it as a model."""
+    state = _lora_updates_allowed(request)
+    req = decode_body(_load_lora_decoder, await request.body())
+    await state.load_adapter(req.lora_name, req.lora_path, req.model)
+    return _plain(f"Success: LoRA adapter '{req.lora_name}' added successfully.", request)
+
+
+@post("/v1/unload_lora_adapter", status_code=200)
+async def unload_lora_adapter(request: Request) -> Response[str]:
+    """vLLM's: stop serving a LoRA adapter (refused while requests generate with it)."""
+    state = _lora_updates_allowed(request)
+    req = decode_body(_unload_lora_decoder, await request.body())
+    await state.unload_adapter(req.lora_name)
+    return _plain(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", request)
+
+
+ROUTES = [chat_completions, completions, tokenize, detokenize, list_models, get_model, health, version, metrics, openapi,
+          load_lora_adapter, unload_lora_adapter]

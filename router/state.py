@@ -11,8 +11,8 @@ from typing import Iterable
 from .admission import AdmissionQueue
 from .auth import Keyring
 from .backend import AdapterModel, Backend
-from .config import RouterConfig
-from .errors import ModelNotFound
+from .config import RouterConfig, resolve_path
+from .errors import APIError, BadRequest, ModelNotFound
 from .metrics import RouterMetrics
 from .plugins import Plugins
 from .requests import RequestTypes, compose
@@ -34,11 +34,11 @@ class RouterState:
             m.name: AdmissionQueue(m.name, m.max_concurrency, m.max_queue) for m in config.models
         }
         # LoRA adapters: models of their own names on their parent's engine and queue.
-        self.adapters: dict[str, Backend] = {}
+        self.adapters: dict[str, AdapterModel] = {}
         for backend in list(self.models.values()):
             for name in backend.config.adapter_names():
-                self.adapters[name] = AdapterModel(backend, name)
-                self.queues[name] = self.queues[backend.name]
+                self._serve_adapter(backend, name)
+        self._lora_updates = asyncio.Lock()
         self.keyring = Keyring(config)
         self.metrics = RouterMetrics(self.gauges)
         self.created = int(time.time())
@@ -58,7 +58,57 @@ class RouterState:
         return [b for b in every if allowed is None or b.name in allowed]
 
     def _adapters_of(self, base: Backend) -> list[Backend]:
-        return [self.adapters[name] for name in base.config.adapter_names()]
+        return [a for a in self.adapters.values() if a.parent is base]
+
+    def _serve_adapter(self, base: Backend, name: str) -> None:
+        self.adapters[name] = AdapterModel(base, name)
+        self.queues[name] = self.queues[base.name]
+        self.openapi = None  # its model list changed
+
+    # --- LoRA adapters at run time (server.runtime_lora_updating) -------------------------
+
+    async def load_adapter(self, name: str, path: str, model: str | None) -> None:
+        """Load a LoRA adapter of ``model`` (or of the one model that takes adapters) and serve
+        it as ``name``. 400 naming what is wrong; 404 for an unknown model."""
+        async with self._lora_updates:
+            if name in self.models or name in self.adapters:
+                raise BadRequest(f"The model name `{name}` is already in use.", param="lora_name")
+            takers = [b for b in self.models.values() if "lora_adapters" in b.capabilities]
+            if model is None:
+                if len(takers) != 1:
+                    names = ", ".join(f"`{b.name}`" for b in takers) or "none is ready"
+                    raise BadRequest(f"Name the base model in `model`; models that take LoRA adapters: {names}.",
+                                     param="model")
+                base = takers[0]
+            else:
+                base = self.model(model)
+                if isinstance(base, AdapterModel) or "lora_adapters" not in base.capabilities:
+                    base.check_ready()
+                    raise BadRequest(f"Model `{model}` (backend `{base.config.backend}`) cannot take LoRA adapters.",
+                                     param="model")
+            base.check_ready()
+            try:
+                folder = resolve_path(path, self.config.base_dir)
+                await base.engine.add_adapter(name, folder)  # type: ignore[attr-defined]
+            except ValueError as exc:  # the adapter's own problems, named by the engine
+                raise BadRequest(str(exc), param="lora_path") from None
+            self._serve_adapter(base, name)
+            log.info("LoRA adapter %s of %s loaded from %s", name, base.name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` (400 while requests generate with it)."""
+        async with self._lora_updates:
+            adapter = self.adapters.get(name)
+            if adapter is None:
+                raise APIError(f"The LoRA adapter `{name}` cannot be found.", param="lora_name",
+                               code="lora_adapter_not_found", status=404)
+            try:
+                await adapter.parent.engine.remove_adapter(name)  # type: ignore[attr-defined]
+            except ValueError as exc:
+                raise BadRequest(str(exc), param="lora_name") from None
+            del self.adapters[name], self.queues[name]
+            self.openapi = None
+            log.info("LoRA adapter %s of %s unloaded", name, adapter.parent.name)
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -119,3 +119,108 @@ def test_chat_stream_on_an_adapter_with_the_openai_sdk(lora_router):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     tokens = post(router, "/tokenize", {"model": "smol-zero", "messages": messages}).json()
     assert tokens["count"] == usage.prompt_tokens
+
+
+# --- loading and unloading while serving (server.runtime_lora_updating) --------------------
+
+
+@pytest.fixture(scope="module")
+def updating_router(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-runtime")
+    base = tiny_checkpoint(root / "tiny", "llama")
+    first = write_lora(root / "first", base, seed=6)
+    second = write_lora(root / "second", base, rank=2, targets=("o_proj", "down_proj"), seed=7)
+    config = f"""
+[server]
+api_keys = ["{ADMIN}"]
+runtime_lora_updating = true
+
+[[keys]]
+key = "{POET}"
+models = ["tiny"]
+
+[[models]]
+name = "tiny"
+backend = "torch"
+path = "{base}"
+max_model_len = 256
+kv_cache_gb = 0.02
+block_size = 4
+
+[[models]]
+name = "llama"
+backend = "llamacpp"
+path = "{GGUF}"
+n_ctx = 512
+"""
+    router = RouterProcess(config, root)
+    yield router, base, {"first": first, "second": second}, root
+    router.stop()
+
+
+def test_adapters_load_and_unload_while_serving(updating_router):
+    router, base, folders, root = updating_router
+    prompt = [11, 900, 42, 7, 30000, 5, 1234, 99, 4321, 8]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def tokens(model):
+        r = post(router, "/v1/completions", {**body, "model": model})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    load = {"lora_name": "tiny-x", "lora_path": str(folders["first"])}
+    r = post(router, "/v1/load_lora_adapter", load)  # one model takes adapters: no `model` needed
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tiny-x' added successfully."
+    assert r.headers["content-type"].startswith("text/plain")
+    assert [(c["id"], c["parent"]) for c in get(router, "/v1/models").json()["data"]] == [
+        ("tiny", None), ("tiny-x", "tiny"), ("llama", None)]
+    assert tokens("tiny-x") == hf_greedy(merged_checkpoint(base, folders["first"], root / "m1"), prompt, 8)
+    again = post(router, "/v1/load_lora_adapter", {**load, "lora_path": str(folders["second"])})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+
+    r = post(router, "/v1/unload_lora_adapter", {"lora_name": "tiny-x"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tiny-x' removed successfully."
+    gone = post(router, "/v1/completions", {**body, "model": "tiny-x"})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    r = post(router, "/v1/unload_lora_adapter", {"lora_name": "tiny-x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "lora_adapter_not_found"
+
+    # The same name, other weights: their output (no block of the first one's is reused).
+    assert post(router, "/v1/load_lora_adapter", {**load, "lora_path": str(folders["second"]),
+                                                  "model": "tiny"}).status_code == 200
+    assert tokens("tiny-x") == hf_greedy(merged_checkpoint(base, folders["second"], root / "m2"), prompt, 8)
+    assert tokens("tiny") == hf_greedy(base, prompt, 8)
+    assert "tiny-x" in get(router, "/schema/openapi.json").json()["components"]["schemas"][
+        "CompletionRequest"]["properties"]["model"]["enum"]
+    assert post(router, "/v1/unload_lora_adapter", {"lora_name": "tiny-x", "lora_int_id": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"lora_name": "x", "lora_path": "/nowhere"}, 400, "lora_path", "no adapter_config.json"),
+    ({"lora_name": "tiny", "lora_path": "/nowhere"}, 400, "lora_name", "`tiny` is already in use"),
+    ({"lora_name": "x", "lora_path": "/nowhere", "model": "llama"}, 400, "model", "cannot take LoRA adapters"),
+    ({"lora_name": "x", "lora_path": "/nowhere", "model": "nope"}, 404, "model", "does not exist"),
+    ({"lora_name": "", "lora_path": "/nowhere"}, 400, "lora_name", None),
+    ({"lora_name": "x"}, 400, "lora_path", None),
+    ({"lora_name": "x", "lora_path": "/p", "base": "tiny"}, 400, "base", "Unrecognized request argument"),
+])
+def test_bad_loads_are_4xx_naming_the_field(updating_router, body, status, param, message):
+    router = updating_router[0]
+    r = post(router, "/v1/load_lora_adapter", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and (message is None or message in error["message"])
+
+
+def test_only_a_key_for_every_model_may_load(updating_router):
+    router, _, folders, _ = updating_router
+    r = post(router, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": str(folders["first"])}, POET)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    assert post(router, "/v1/unload_lora_adapter", {"lora_name": "y"}, POET).status_code == 403
+
+
+def test_without_runtime_updating_the_paths_are_404(lora_router):
+    router, _ = lora_router
+    r = post(router, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "/p"})
+    assert r.status_code == 404
+    assert "/v1/load_lora_adapter" not in get(router, "/schema/openapi.json").json()["paths"]

@@ -42,6 +42,16 @@ def test_unknown_field_is_rejected_with_openai_wording(types):
     assert e.message == "Unrecognized request argument supplied: foo" and e.param == "foo"
 
 
+@pytest.mark.parametrize("body, param", [
+    (b'{"messages":[{"role":"user","content":"hi"}]}', "model"),
+    (b'{"model":"m"}', "messages"),
+    (b'{"model":"m","messages":[{"role":"tool","content":"x"}]}', "messages[0].tool_call_id"),
+])
+def test_a_missing_required_field_is_named(types, body, param):
+    e = err(types.decode_chat, body)
+    assert e.param == param and e.message == f"Missing required field: {param}"
+
+
 def test_unknown_nested_field_names_its_path(types):
     body = b'{"model":"m","messages":[{"role":"user","content":"hi","bogus":1}]}'
     e = err(types.decode_chat, body)

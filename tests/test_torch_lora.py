@@ -338,3 +338,91 @@ def test_select_groups_each_adapters_rows_as_a_slice_when_consecutive():
     ((one, rows),) = adapters.batch.groups
     assert one == 1 and rows.tolist() == [0, 2, 3]
     assert Adapters.row_adapters(work((1, 1), (0, 1), (1, 2))) == [1, 0, 1, 1]
+
+
+# --- adapters loaded and unloaded while the engine serves --------------------------------
+
+
+def test_adapters_load_and_unload_at_run_time(llama, tmp_path):
+    """Loaded while serving: the same output as transformers with it merged. Unloaded: gone.
+    Loaded again under the same name with other weights: the new weights, and none of the
+    blocks the old one left in the prefix cache."""
+    base, adapters, merged = llama
+    engine = engine_with(base, {})
+    prompt = random_prompts(11, [26])[0]
+    try:
+        assert "lora_adapters" in engine.capabilities
+        plain, _ = run(generate(engine, prompt, 8))
+        run(engine.add_adapter("a", adapters["every"]))
+        first, first_cached = run(generate(engine, prompt, 8, "a"))
+        again, again_cached = run(generate(engine, prompt, 8, "a"))
+        with pytest.raises(AdapterError, match="`a` is already loaded"):
+            run(engine.add_adapter("a", adapters["qv"]))
+        run(engine.remove_adapter("a"))
+        with pytest.raises(EngineError, match="no LoRA adapter `a`"):
+            run(generate(engine, prompt, 2, "a"))
+        with pytest.raises(AdapterError, match="`a` is not loaded"):
+            run(engine.remove_adapter("a"))
+        run(engine.add_adapter("a", adapters["qv"]))
+        reloaded, reloaded_cached = run(generate(engine, prompt, 8, "a"))
+        with pytest.raises(AdapterError, match="no adapter_config.json"):
+            run(engine.add_adapter("b", tmp_path / "nowhere"))
+        after, _ = run(generate(engine, prompt, 8))
+        assert engine.pool.num_used == 0
+    finally:
+        run(engine.stop())
+    assert plain == after == hf_greedy(base, prompt, 8)
+    assert first == again == hf_greedy(merged["every"], prompt, 8)
+    assert (first_cached, again_cached) == (0, 24)
+    assert reloaded == hf_greedy(merged["qv"], prompt, 8) and reloaded_cached == 0
+
+
+def test_an_adapter_in_use_is_not_unloaded(llama):
+    base, adapters, _ = llama
+    engine = engine_with(base, {"every": adapters["every"]})
+
+    async def scenario():
+        req = EngineRequest("t", [5, 6, 7], SamplingParams(temperature=0.0), 400, ignore_eos=True, adapter="every")
+        stream = engine.generate(req)
+        await stream.__anext__()  # running, 399 tokens to go
+        with pytest.raises(AdapterError, match="`every` is serving 1 request"):
+            await engine.remove_adapter("every")
+        await stream.aclose()  # the client leaves: the sequence is aborted
+        await engine.remove_adapter("every")
+        # Another request: by its end the engine has surely freed the aborted one's blocks.
+        async for _ in engine.generate(EngineRequest("u", [5, 6], SamplingParams(temperature=0.0), 2)):
+            pass
+
+    try:
+        run(scenario())
+        assert engine.adapters.index == {} and engine.pool.num_used == 0
+    finally:
+        run(engine.stop())
+
+
+def test_the_c_step_serves_adapters_loaded_at_run_time(llama):
+    """int8: an adapter loaded while serving enters the C table (rebuilt between steps), with
+    the output of the same adapter configured at start; an unloaded one leaves a free index
+    the next load reuses."""
+    base, adapters, _ = llama
+    prompts = random_prompts(12, (9, 21))
+    static = engine_with(base, {"qv": adapters["qv"]}, weight_format="int8")
+    try:
+        want = all_at_once(static, [(p, "qv") for p in prompts], 12)
+    finally:
+        run(static.stop())
+    engine = engine_with(base, {}, weight_format="int8")
+    try:
+        run(engine.add_adapter("every", adapters["every"]))
+        run(engine.add_adapter("qv", adapters["qv"]))
+        run(engine.remove_adapter("every"))
+        assert engine.adapters.index == {"qv": 2} and engine.runner.decoder.serves_adapters
+        calls = adapter_steps_in_c(engine)
+        got = all_at_once(engine, [(p, "qv") for p in prompts], 12)
+        assert calls["adapted"] >= 11
+        run(engine.add_adapter("every", adapters["every"]))
+        assert engine.adapters.index == {"qv": 2, "every": 1}
+        assert all_at_once(engine, [(p, "qv") for p in prompts], 12) == want
+    finally:
+        run(engine.stop())
+    assert got == want

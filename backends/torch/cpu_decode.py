@@ -128,35 +128,43 @@ class CpuDecoder:
             raise ValueError("CpuDecoder needs one group size for every projection")
         if any(lin.bits != self._plan.bits for lin in linears if lin is not head):
             raise ValueError("CpuDecoder needs one width (8 or 4 bits) for every projection of the layers")
-        self._f32 = f32
         self.serves_adapters = False
 
-    def attach_adapters(self, adapters: list[LoraAdapter]) -> bool:
-        """Describe LoRA adapters (index i + 1 is ``adapters[i]``) to C, so that steps with adapter
-        rows run here too; False (nothing attached) where one does not fit C's limits (more parts
-        to one projection than ``RK_LORA_PARTS``, a rank above ``RK_LORA_RANK``): those steps then
-        run the torch path."""
+    def attach_adapters(self, adapters: list[LoraAdapter | None]) -> bool:
+        """Describe LoRA adapters to C (``adapters[i]`` is index i + 1; None: a free index), so
+        that steps with adapter rows run here too; False (and no steps with adapter rows here)
+        where one does not fit C's limits (more parts to one projection than ``RK_LORA_PARTS``,
+        a rank above ``RK_LORA_RANK``): those steps then run the torch path."""
         import ctypes
 
         from .native import RkLora
 
+        self.serves_adapters = False
         parts_per, max_rank = self._k.lora_parts, self._k.lora_rank
         which = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
         layers = self.spec.num_layers
+        present = [(i, a) for i, a in enumerate(adapters) if a is not None]
         entries = [
             (((i * layers + layer) * 4 + which[module]) * parts_per + p, part)
-            for i, adapter in enumerate(adapters)
+            for i, adapter in present
             for (layer, module), parts in adapter.parts.items()
             for p, part in enumerate(parts)
         ]
-        if any(len(parts) > parts_per for a in adapters for parts in a.parts.values()) or any(
+        if any(len(parts) > parts_per for _, a in present for parts in a.parts.values()) or any(
             a.shape[0] > max_rank for _, (_, _, a, _) in entries
         ):
             return False
-        table = (RkLora * (len(adapters) * layers * 4 * parts_per))()
+        table = (RkLora * max(1, len(adapters) * layers * 4 * parts_per))()
+        keep = []  # what C reads, referenced as long as this table is the plan's
+
+        def f32(t: torch.Tensor) -> int:
+            t = t.detach().float().contiguous()
+            keep.append(t)
+            return t.data_ptr()
+
         for at, (start, end, a, b) in entries:
-            table[at] = RkLora(self._f32(a), self._f32(b.T), a.shape[0], start, end - start)
-        self._lora = table  # kept alive: C reads it every step
+            table[at] = RkLora(f32(a), f32(b.T), a.shape[0], start, end - start)
+        self._lora = (table, keep)
         self._plan.lora = ctypes.cast(table, ctypes.POINTER(RkLora))
         self.serves_adapters = True
         return True

@@ -84,6 +84,7 @@ class TorchEngine:
         self._cv = threading.Condition()
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
+        self._commands: list[tuple[Callable[[], object], asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._closing = False
         self.steps = 0
         ready = threading.Event()
@@ -110,7 +111,7 @@ class TorchEngine:
         spec = checkpoint.spec
         self.tokenizer = checkpoint.tokenizer
         self.chat_template = checkpoint.chat_template
-        self.capabilities = LOCAL_ENGINE_CAPABILITIES
+        self.capabilities = LOCAL_ENGINE_CAPABILITIES | {"lora_adapters"}
         if options.num_threads and options.device.type == "cpu":
             torch.set_num_threads(options.num_threads)
         if options.device.type == "cuda":
@@ -152,17 +153,10 @@ class TorchEngine:
             from .cpu_decode import CpuDecoder
 
             decoder = CpuDecoder(self.model, self.kv)
-        self.adapters = None
-        if options.lora_modules:  # after the C decoder read the packed projections it calls
-            from .lora import Adapters, load_adapter
-
-            loaded = [
-                load_adapter(name, path, spec, options.dtype, options.device)
-                for name, path in options.lora_modules.items()
-            ]
-            self.adapters = Adapters(self.model, loaded, options.device)
-            if decoder is not None and not decoder.attach_adapters(loaded):
-                log.warning("LoRA adapters beyond the C decoder's limits: their steps run as torch operations")
+        self.adapters = None  # lora.Adapters once the first adapter loads
+        self._decoder = decoder
+        for name, path in options.lora_modules.items():  # after the C decoder read the packed projections
+            self._add_adapter(name, path)
         decode_graphs = None
         if graphs:
             from .graphs import DecodeGraphs
@@ -216,18 +210,20 @@ class TorchEngine:
                 f"prompt ({len(request.prompt_ids)}) plus max_tokens ({request.max_tokens}) exceeds "
                 f"the engine's context of {self.max_model_len} tokens"
             )
-        adapter = 0
-        if request.adapter is not None:
-            if self.adapters is None or request.adapter not in self.adapters.index:
-                raise EngineError(f"this engine serves no LoRA adapter `{request.adapter}`")
-            adapter = self.adapters.index_of(request.adapter)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineStep | BaseException] = asyncio.Queue()
-        seq = Sequence(request, queue.put_nowait, self.options.block_size, adapter)
-        seq.loop = loop
         with self._cv:
             if self._closing:
                 raise EngineError("the engine is shutting down")
+            # Under the lock: adapters change only on the engine thread, holding it too.
+            adapter, root = 0, None
+            if request.adapter is not None:
+                adapter = self.adapters.index.get(request.adapter, 0) if self.adapters is not None else 0
+                if not adapter:
+                    raise EngineError(f"this engine serves no LoRA adapter `{request.adapter}`")
+                root = self.adapters.roots[adapter]
+            seq = Sequence(request, queue.put_nowait, self.options.block_size, adapter, root)
+            seq.loop = loop
             self._inbox.append(seq)
             self._cv.notify()
         finished = False
@@ -248,15 +244,71 @@ class TorchEngine:
                     self._aborts.append(seq)
                     self._cv.notify()
 
+    # --- LoRA adapters at run time ------------------------------------------------------
+
+    async def add_adapter(self, name: str, path: Path) -> None:
+        """Load a PEFT LoRA folder and serve it as ``name`` from the next step on (capability
+        ``lora_adapters``); raises :class:`.lora.AdapterError` naming what is wrong."""
+        await self._on_engine_thread(lambda: self._add_adapter(name, path))
+
+    async def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``; refused while a request generates with it."""
+        await self._on_engine_thread(lambda: self._remove_adapter(name))
+
+    async def _on_engine_thread(self, fn: Callable[[], object]) -> object:
+        """Run ``fn`` on the engine thread between two steps (where all torch work happens)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._cv:
+            if self._closing:
+                raise EngineError("the engine is shutting down")
+            self._commands.append((fn, loop, done))
+            self._cv.notify()
+        return await done
+
+    def _add_adapter(self, name: str, path: Path) -> None:
+        from .lora import Adapters, load_adapter
+
+        adapter = load_adapter(name, path, self.model.spec, self.options.dtype, self.options.device)
+        with self._cv:
+            if self.adapters is None:
+                self.adapters = Adapters(self.model, self.options.device)
+                if hasattr(self, "runner"):
+                    self.runner.adapters = self.adapters
+            self.adapters.add(adapter)
+        self._describe_adapters()
+
+    def _remove_adapter(self, name: str) -> None:
+        from .lora import AdapterError
+
+        with self._cv:
+            index = self.adapters.index.get(name) if self.adapters is not None else None
+            if index is None:
+                raise AdapterError(f"LoRA adapter `{name}` is not loaded")
+            users = [s for s in (*self.scheduler.sequences(), *self._inbox) if s.adapter == index and not s.aborted]
+            if users:
+                raise AdapterError(f"LoRA adapter `{name}` is serving {len(users)} request(s); unload it once they end")
+            self.adapters.remove(name)
+        self._describe_adapters()
+
+    def _describe_adapters(self) -> None:
+        """Give the C decoder the current table (its steps then add adapter rows themselves)."""
+        if self._decoder is not None and not self._decoder.attach_adapters(self.adapters.by_index()):
+            log.warning("LoRA adapters beyond the C decoder's limits: steps with adapter rows run as torch operations")
+
     # --- engine thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
+                while not (self._inbox or self._aborts or self._commands or self._closing or self.scheduler.has_work()):
                     self._cv.wait()
                 if self._closing:
                     break
+                commands, self._commands = self._commands, []
+            for fn, loop, done in commands:
+                _run_command(fn, loop, done)
+            with self._cv:
                 new, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
             for seq in aborts:
@@ -269,6 +321,10 @@ class TorchEngine:
                 self._step()
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq)
+        with self._cv:
+            commands, self._commands = self._commands, []
+        for _, loop, done in commands:
+            _post_result(loop, done, EngineError("the engine is shutting down"))
 
     def _step(self) -> None:
         step = self.scheduler.schedule()
@@ -314,6 +370,29 @@ class TorchEngine:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:
                 pass  # that event loop is gone; nobody is listening
+
+
+def _run_command(fn: Callable[[], object], loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+    try:
+        result: object = fn()
+    except Exception as exc:  # noqa: BLE001 - the caller's to handle
+        result = exc
+    _post_result(loop, done, result)
+
+
+def _post_result(loop: asyncio.AbstractEventLoop, done: asyncio.Future, result: object) -> None:
+    def settle() -> None:
+        if done.done():
+            return  # the caller gave up waiting
+        if isinstance(result, BaseException):
+            done.set_exception(result)
+        else:
+            done.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # that event loop is gone
 
 
 def _deliver(items: list[tuple[Sequence, EngineStep | BaseException]]) -> None:

@@ -15,6 +15,7 @@ by name when the model loads.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -181,27 +182,48 @@ class LoraLinear(nn.Module):
 
 
 class Adapters:
-    """The adapters one engine serves, by name; wraps the projections they adapt."""
+    """The adapters one engine serves, by name and index (0 is the base model); wraps the
+    projections they adapt. Adapters come and go between steps (on the engine thread): a freed
+    index is reused, and each load gets its own prefix-cache root, so blocks computed under an
+    adapter are never found by a later one loaded under the same name."""
 
-    MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-    def __init__(self, model: CausalLM, adapters: list[LoraAdapter], device: torch.device) -> None:
-        self.index = {a.name: i for i, a in enumerate(adapters, start=1)}  # 0: the base model
-        self.adapters = adapters
-        self.batch = LoraBatch()
+    def __init__(self, model: CausalLM, device: torch.device) -> None:
+        self.model = model
         self.device = device
-        wrapped: dict[tuple[int, str], LoraLinear] = {}
-        for index, adapter in enumerate(adapters, start=1):
-            for (layer, module), parts in adapter.parts.items():
-                lin = wrapped.get((layer, module))
-                if lin is None:
-                    owner = _owner(model.layers[layer], module)
-                    lin = wrapped[(layer, module)] = LoraLinear(getattr(owner, module), self.batch)
-                    setattr(owner, module, lin)
-                lin.add(index, parts)
+        self.batch = LoraBatch()
+        self.index: dict[str, int] = {}
+        self.loaded: dict[int, LoraAdapter] = {}
+        self.roots: dict[int, int] = {}  # index -> the hash its sequences' block chains start from
+        self._wrapped: dict[tuple[int, str], LoraLinear] = {}
+        self._loads = itertools.count()
 
-    def index_of(self, name: str) -> int:
-        return self.index[name]
+    def add(self, adapter: LoraAdapter) -> int:
+        """Serve ``adapter`` from the next step on; its index."""
+        if adapter.name in self.index:
+            raise AdapterError(f"LoRA adapter `{adapter.name}` is already loaded")
+        index = next(i for i in itertools.count(1) if i not in self.loaded)
+        for (layer, module), parts in adapter.parts.items():
+            lin = self._wrapped.get((layer, module))
+            if lin is None:
+                owner = _owner(self.model.layers[layer], module)
+                lin = self._wrapped[(layer, module)] = LoraLinear(getattr(owner, module), self.batch)
+                setattr(owner, module, lin)
+            lin.add(index, parts)
+        self.index[adapter.name] = index
+        self.loaded[index] = adapter
+        self.roots[index] = hash(("lora", adapter.name, next(self._loads)))
+        return index
+
+    def remove(self, name: str) -> None:
+        """Stop serving ``name`` (no sequence may be using it); its weights are dropped."""
+        index = self.index.pop(name)
+        del self.loaded[index], self.roots[index]
+        for lin in self._wrapped.values():
+            lin.adapters.pop(index, None)
+
+    def by_index(self) -> list[LoraAdapter | None]:
+        """Adapter ``i + 1`` at ``i`` (None where an index is free): the C decoder's table order."""
+        return [self.loaded.get(i) for i in range(1, max(self.loaded, default=0) + 1)]
 
     def select(self, work: list[Scheduled]) -> bool:
         """Point the wrapped projections at this step's rows (in the order of ``work``, each

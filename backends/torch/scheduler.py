@@ -111,6 +111,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or any(not s.aborted for _, s in self._waiting)
 
+    def sequences(self) -> list[Sequence]:
+        """Every sequence running or waiting (not aborted)."""
+        return [*self.running, *(s for _, s in self._waiting if not s.aborted)]
+
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         heapq.heappush(self._waiting, (seq.order, seq))

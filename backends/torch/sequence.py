@@ -23,7 +23,12 @@ class Sequence:
     """Prompt plus generated tokens, the blocks holding their KV, and how far prefill got."""
 
     def __init__(
-        self, request: EngineRequest, deliver: Callable[[Any], None], block_size: int, adapter: int = 0
+        self,
+        request: EngineRequest,
+        deliver: Callable[[Any], None],
+        block_size: int,
+        adapter: int = 0,
+        root: int | None = None,
     ) -> None:
         self.id = next(_ids)
         self.block_size = block_size
@@ -36,7 +41,7 @@ class Sequence:
         self._hashes: list[int] = []  # chain hash of each full block of `tokens`
         self.adapter = adapter  # the LoRA adapter's index (lora.Adapters); 0: the base model
         # Under an adapter the same tokens have other keys and values: its chain starts elsewhere.
-        self._root = hash(("lora", request.adapter)) if adapter else None
+        self._root = root
         self._registered = 0  # blocks already offered to the prefix cache
         self.status = Status.WAITING
         self.cached_tokens: int | None = None  # prefix-cache hits at first admission

@@ -13,21 +13,16 @@ from torch_models import hf_greedy, merged_checkpoint, smollm2_folder, tiny_chec
 ADMIN, POET = "admin-key", "every-only-key"
 
 
-@pytest.fixture(scope="module")
-def lora_router(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-e2e")
-    base = tiny_checkpoint(root / "tiny", "llama")
-    every = write_lora(root / "every", base, seed=3)
-    qv = write_lora(root / "qv", base, rank=2, alpha=4.0, targets=("q_proj", "v_proj"), seed=4)
-    zero = write_lora(root / "zero", smollm2_folder(), zero_b=True, targets=("q_proj", "down_proj"))
-    some = write_lora(root / "some", smollm2_folder(), targets=("v_proj", "up_proj"), seed=5)
-    config = f"""
+def router_toml(base, limited_to: str, model: str = "", server: str = "") -> str:
+    """An admin key, a key limited to one model, and the tiny model at ``base``."""
+    return f"""
 [server]
 api_keys = ["{ADMIN}"]
+{server}
 
 [[keys]]
 key = "{POET}"
-models = ["tiny-every"]
+models = ["{limited_to}"]
 
 [[models]]
 name = "tiny"
@@ -36,8 +31,19 @@ path = "{base}"
 max_model_len = 256
 kv_cache_gb = 0.02
 block_size = 4
-lora_modules = {{ tiny-every = "{every}", tiny-qv = "{qv}" }}
+{model}
+"""
 
+
+@pytest.fixture(scope="module")
+def lora_router(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-e2e")
+    base = tiny_checkpoint(root / "tiny", "llama")
+    every = write_lora(root / "every", base, seed=3)
+    qv = write_lora(root / "qv", base, rank=2, alpha=4.0, targets=("q_proj", "v_proj"), seed=4)
+    zero = write_lora(root / "zero", smollm2_folder(), zero_b=True, targets=("q_proj", "down_proj"))
+    some = write_lora(root / "some", smollm2_folder(), targets=("v_proj", "up_proj"), seed=5)
+    config = router_toml(base, "tiny-every", f'lora_modules = {{ tiny-every = "{every}", tiny-qv = "{qv}" }}') + f"""
 [[models]]
 name = "smol"
 backend = "torch"
@@ -130,23 +136,7 @@ def updating_router(tmp_path_factory):
     base = tiny_checkpoint(root / "tiny", "llama")
     first = write_lora(root / "first", base, seed=6)
     second = write_lora(root / "second", base, rank=2, targets=("o_proj", "down_proj"), seed=7)
-    config = f"""
-[server]
-api_keys = ["{ADMIN}"]
-runtime_lora_updating = true
-
-[[keys]]
-key = "{POET}"
-models = ["tiny"]
-
-[[models]]
-name = "tiny"
-backend = "torch"
-path = "{base}"
-max_model_len = 256
-kv_cache_gb = 0.02
-block_size = 4
-
+    config = router_toml(base, "tiny", server="runtime_lora_updating = true") + f"""
 [[models]]
 name = "llama"
 backend = "llamacpp"

@@ -31,8 +31,9 @@ def engine_for(path, **options):
     return build_engine(cfg, path)
 
 
-async def generate(engine, prompt, n, **sampling):
-    req = EngineRequest("t", prompt, SamplingParams(**{"temperature": 0.0, **sampling}), n, ignore_eos=True)
+async def generate(engine, prompt, n, adapter=None, **sampling):
+    req = EngineRequest("t", prompt, SamplingParams(**{"temperature": 0.0, **sampling}), n, ignore_eos=True,
+                        adapter=adapter)
     out, cached = [], None
     async for step in engine.generate(req):
         out += step.token_ids

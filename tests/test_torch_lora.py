@@ -15,7 +15,7 @@ from backends.torch.lora import AdapterError, load_adapter
 from backends.torch.model import ModelSpec
 from backends.torch.setup import build_engine
 from router.engine import EngineError, EngineRequest, SamplingParams
-from test_torch_engine import random_prompts, run
+from test_torch_engine import generate, random_prompts, run
 from torch_models import LORA_TARGETS, hf_greedy, merged_checkpoint, tiny_checkpoint, write_lora
 
 FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # how PEFT names Phi-3's modules
@@ -25,16 +25,6 @@ def engine_with(base, adapters, **options):
     options = {"max_model_len": 512, "kv_cache_gb": 0.05, "block_size": 4, "max_batched_tokens": 16, **options}
     cfg = TorchConfig(name="t", backend="torch", path=str(base), **options)
     return build_engine(cfg, base, adapters)
-
-
-async def generate(engine, prompt, n, adapter=None):
-    req = EngineRequest("t", prompt, SamplingParams(temperature=0.0), n, ignore_eos=True, adapter=adapter)
-    out, cached = [], None
-    async for step in engine.generate(req):
-        out += step.token_ids
-        if step.cached_tokens is not None:
-            cached = step.cached_tokens
-    return out, cached
 
 
 def all_at_once(engine, jobs, n):

@@ -280,7 +280,7 @@ def test_unsupported_adapter_configs_are_refused_by_name(llama, spec, tmp_path, 
     _edit_config(folder, **changes)
     with pytest.raises(AdapterError, match=message) as info:
         _load(folder, spec)
-    assert str(info.value).startswith(f"lora_modules.ad ({folder}): ")
+    assert str(info.value).startswith(f"LoRA adapter `ad` ({folder}): ")
 
 
 def test_adapters_of_other_modules_or_shapes_are_refused(llama, spec, tmp_path):

@@ -82,7 +82,7 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     from safetensors.torch import load_file
 
     def fail(why: str) -> AdapterError:
-        return AdapterError(f"lora_modules.{name} ({folder}): {why}")
+        return AdapterError(f"LoRA adapter `{name}` ({folder}): {why}")
 
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not config_file.is_file():

@@ -57,7 +57,8 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Serve ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's, which it
     opens with VLLM_ALLOW_RUNTIME_LORA_UPDATING): LoRA adapters of a model whose engine takes
     them, loaded from the router's file system while it serves. Off: those paths are 404. With
-    ``api_keys``, only those keys (not a ``[[keys]]`` entry limited to some models) may call them."""
+    ``api_keys``, only those keys (not a ``[[keys]]`` entry limited to some models) may call them;
+    without, anyone who reaches the server may (and learn from the errors which paths exist)."""
     limits: Limits = msgspec.field(default_factory=Limits)
 
 

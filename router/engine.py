@@ -154,6 +154,15 @@ class EngineError(Exception):
     """The engine failed a request after accepting it (reaches the client as an error event)."""
 
 
+class UnknownAdapter(EngineError):
+    """The request names a LoRA adapter the engine does not serve: one unloaded after the
+    request found it (it reaches the client as the 404 of a model that does not exist)."""
+
+    def __init__(self, adapter: str) -> None:
+        super().__init__(f"this engine serves no LoRA adapter `{adapter}`")
+        self.adapter = adapter
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A local inference engine. One per served model."""

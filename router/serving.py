@@ -21,8 +21,8 @@ from msgspec import UNSET
 
 from . import sse
 from .detokenizer import IncrementalDetokenizer
-from .engine import EngineError, EngineRequest, EngineStep, SamplingParams, Tokenizer
-from .errors import APIError, BadRequest, ServerError
+from .engine import EngineError, EngineRequest, EngineStep, SamplingParams, Tokenizer, UnknownAdapter
+from .errors import APIError, BadRequest, ModelNotFound, ServerError
 from .params import GenerationParams
 from .prompts import build_chat_prompt, check_length, completion_prompts, truncate_prompt
 from .protocol import (
@@ -303,6 +303,14 @@ async def _constraints(backend: "LocalBackend", params: GenerationParams, count:
     return [first] + [backend.grammars.constraint(spec) for _ in range(count - 1)]
 
 
+def _engine_failure(exc: EngineError) -> APIError:
+    """What the client sees of an engine's failure: a 500, except for an adapter unloaded after
+    the request found it (a model that no longer exists: 404)."""
+    if isinstance(exc, UnknownAdapter):
+        return ModelNotFound(exc.adapter)
+    return ServerError(f"The engine failed: {exc}")
+
+
 def _failed(gen: Generation) -> None:
     gen.report_usage()
     if gen.params.record is not None:
@@ -400,7 +408,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         async for _ in gen.run():
             pass
     except EngineError as exc:
-        raise ServerError(f"The engine failed: {exc}") from None
+        raise _engine_failure(exc) from None
     choices = [
         ChatChoice(
             index=c.index,
@@ -543,7 +551,7 @@ async def _chat_stream(
         yield sse.event(exc.to_json())
     except EngineError as exc:
         _failed(gen)
-        yield sse.event(ServerError(f"The engine failed: {exc}").to_json())
+        yield sse.event(_engine_failure(exc).to_json())
     except Exception:  # noqa: BLE001 - a stream can only end with an error event now
         _failed(gen)
         log.exception("stream %s failed", gen.request_id)
@@ -613,7 +621,7 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         async for _ in gen.run():
             pass
     except EngineError as exc:
-        raise ServerError(f"The engine failed: {exc}") from None
+        raise _engine_failure(exc) from None
     choices = []
     for c in gen.choices:
         echo = echoes[c.prompt_index]
@@ -715,7 +723,7 @@ async def _completion_stream(
         yield sse.event(exc.to_json())
     except EngineError as exc:
         _failed(gen)
-        yield sse.event(ServerError(f"The engine failed: {exc}").to_json())
+        yield sse.event(_engine_failure(exc).to_json())
     except Exception:  # noqa: BLE001
         _failed(gen)
         log.exception("stream %s failed", gen.request_id)

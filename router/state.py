@@ -69,14 +69,23 @@ class RouterState:
 
     async def load_adapter(self, name: str, path: str, model: str | None) -> None:
         """Load a LoRA adapter of ``model`` (or of the one model that takes adapters) and serve
-        it as ``name``. 400 naming what is wrong; 404 for an unknown model."""
+        it as ``name``. 400 naming what is wrong; 404 for an unknown model. Shielded: a client
+        that leaves does not leave the engine and the router disagreeing on what is loaded."""
+        await asyncio.shield(self._load_adapter(name, path, model))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` (400 while requests generate with it; shielded too).
+        A request that found it before and reaches the engine after gets a 404."""
+        await asyncio.shield(self._unload_adapter(name))
+
+    async def _load_adapter(self, name: str, path: str, model: str | None) -> None:
         async with self._lora_updates:
             if name in self.models or name in self.adapters:
                 raise BadRequest(f"The model name `{name}` is already in use.", param="lora_name")
             takers = [b for b in self.models.values() if "lora_adapters" in b.capabilities]
             if model is None:
                 if len(takers) != 1:
-                    names = ", ".join(f"`{b.name}`" for b in takers) or "none is ready"
+                    names = ", ".join(f"`{b.name}`" for b in takers) or "none ready now"
                     raise BadRequest(f"Name the base model in `model`; models that take LoRA adapters: {names}.",
                                      param="model")
                 base = takers[0]
@@ -95,8 +104,7 @@ class RouterState:
             self._serve_adapter(base, name)
             log.info("LoRA adapter %s of %s loaded from %s", name, base.name, path)
 
-    async def unload_adapter(self, name: str) -> None:
-        """Stop serving adapter ``name`` (400 while requests generate with it)."""
+    async def _unload_adapter(self, name: str) -> None:
         async with self._lora_updates:
             adapter = self.adapters.get(name)
             if adapter is None:

@@ -15,7 +15,7 @@ from fakes import ByteTokenizer
 from router.app import create_app
 from router.backend import LocalBackend
 from router.config import parse_config
-from router.engine import EngineError, EngineRequest, EngineStep, TokenLogprobs
+from router.engine import EngineError, EngineRequest, EngineStep, TokenLogprobs, UnknownAdapter
 from router.hookspecs import hookimpl
 from router.plugins import load_plugins
 from sse_util import chat_text, parse_events
@@ -35,6 +35,7 @@ class ScriptedEngine:
         self.tokenizer = tok
         self.script = tok.encode("hello world", add_special_tokens=False) + [EOS]
         self.fail_after: int | None = None
+        self.failure: EngineError | None = None  # what it raises there (default: "device on fire")
         self.seen: list[EngineRequest] = []
         self.active = 0
 
@@ -51,7 +52,7 @@ class ScriptedEngine:
             for n, token in enumerate(self.script[: request.max_tokens], start=1):
                 await asyncio.sleep(0)
                 if self.fail_after is not None and n > self.fail_after:
-                    raise EngineError("device on fire")
+                    raise self.failure or EngineError("device on fire")
                 finish = stop_token = None
                 if token in request.stop_token_ids:
                     finish, stop_token = "stop", token
@@ -86,6 +87,7 @@ class P:
 @pytest.fixture
 def client():
     ENGINE.fail_after = None
+    ENGINE.failure = None
     ENGINE.script = tok.encode("hello world", add_special_tokens=False) + [EOS]
     ENGINE.seen.clear()
     plugins_ = load_plugins(entrypoints=False, extra=[P(), plugins.sampling, plugins.templating])
@@ -130,6 +132,18 @@ def test_error_after_the_first_byte_is_an_error_event_then_done(client):
     assert evs[-1] == {"error": {"message": "The engine failed: device on fire", "type": "server_error", "param": None, "code": None}}
     r = client.post("/v1/chat/completions", json=MSG)
     assert r.status_code == 500 and "device on fire" in r.json()["error"]["message"]
+
+
+def test_an_adapter_unloaded_after_the_request_found_it_is_a_404(client):
+    """The engine's UnknownAdapter (a LoRA adapter unloaded between the request's lookup and its
+    generation) is the 404 of a model that does not exist, not an engine failure."""
+    ENGINE.fail_after, ENGINE.failure = 0, UnknownAdapter("s-pirate")
+    gone = {"error": {"message": "The model `s-pirate` does not exist.", "type": "invalid_request_error",
+                      "param": "model", "code": "model_not_found"}}
+    r = client.post("/v1/chat/completions", json=MSG)
+    assert r.status_code == 404 and r.json() == gone
+    r = client.post("/v1/chat/completions", json={**MSG, "stream": True})
+    assert parse_events(r.content)[-1] == gone
 
 
 def test_n_choices_interleave_one_choice_per_chunk(client):

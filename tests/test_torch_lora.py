@@ -13,6 +13,7 @@ import torch
 from backends.torch import TorchConfig
 from backends.torch.lora import AdapterError, load_adapter
 from backends.torch.model import ModelSpec
+from backends.torch.sequence import Status
 from backends.torch.setup import build_engine
 from router.engine import EngineError, EngineRequest, SamplingParams
 from test_torch_engine import generate, random_prompts, run
@@ -301,6 +302,14 @@ def test_adapters_of_other_modules_or_shapes_are_refused(llama, spec, tmp_path):
     save_file({}, str(folder / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match="holds no LoRA weights"):
         _load(folder, spec)
+    (folder / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match="adapter_model.safetensors cannot be read"):
+        _load(folder, spec)
+    config = (folder / "adapter_config.json").read_text()
+    (folder / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(AdapterError, match="not a JSON object"):
+        _load(folder, spec)
+    (folder / "adapter_config.json").write_text(config)
     (folder / "adapter_model.safetensors").unlink()
     with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
         _load(folder, spec)
@@ -386,6 +395,32 @@ def test_an_adapter_in_use_is_not_unloaded(llama):
     try:
         run(scenario())
         assert engine.adapters.index == {} and engine.pool.num_used == 0
+    finally:
+        run(engine.stop())
+
+
+def test_an_aborted_sequence_of_an_unloaded_adapter_never_runs_again(llama):
+    """The client's abort is a flag first and a message to the engine after: an unload that
+    runs between the two finishes the sequence itself, so no step (here the C call, whose
+    table no longer has that adapter) runs it with an index that is gone."""
+    base, adapters, _ = llama
+    engine = engine_with(base, {"every": adapters["every"]}, weight_format="int8")
+
+    async def scenario():
+        req = EngineRequest("t", [5, 6, 7], SamplingParams(temperature=0.0), 400, ignore_eos=True, adapter="every")
+        stream = engine.generate(req)
+        await stream.__anext__()
+        (seq,) = engine.scheduler.running
+        seq.aborted = True  # as generate()'s finally does, before it hands the abort in
+        await engine.remove_adapter("every")
+        assert seq.status is Status.FINISHED and engine.runner.decoder._plan.num_adapters == 0
+        await stream.aclose()
+        out, _ = await generate(engine, [5, 6, 7], 4)
+        return out
+
+    try:
+        assert run(scenario()) == all_at_once(engine, [([5, 6, 7], None)], 4)[0]
+        assert engine.pool.num_used == 0
     finally:
         run(engine.stop())
 

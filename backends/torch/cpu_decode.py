@@ -153,6 +153,7 @@ class CpuDecoder:
         if any(len(parts) > parts_per for _, a in present for parts in a.parts.values()) or any(
             a.shape[0] > max_rank for _, (_, _, a, _) in entries
         ):
+            self._lora, self._plan.lora, self._plan.num_adapters = None, None, 0  # drop the old table's copies
             return False
         table = (RkLora * max(1, len(adapters) * layers * 4 * parts_per))()
         keep = []  # what C reads, referenced as long as this table is the plan's
@@ -166,6 +167,7 @@ class CpuDecoder:
             table[at] = RkLora(f32(a), f32(b.T), a.shape[0], start, end - start)
         self._lora = (table, keep)
         self._plan.lora = ctypes.cast(table, ctypes.POINTER(RkLora))
+        self._plan.num_adapters = len(adapters)
         self.serves_adapters = True
         return True
 

@@ -21,7 +21,14 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from router.engine import LOCAL_ENGINE_CAPABILITIES, EngineError, EngineRequest, EngineStep, finish_reason
+from router.engine import (
+    LOCAL_ENGINE_CAPABILITIES,
+    EngineError,
+    EngineRequest,
+    EngineStep,
+    UnknownAdapter,
+    finish_reason,
+)
 
 from .kv_cache import BlockPool, KVCache
 from .loader import Checkpoint
@@ -220,7 +227,7 @@ class TorchEngine:
             if request.adapter is not None:
                 adapter = self.adapters.index.get(request.adapter, 0) if self.adapters is not None else 0
                 if not adapter:
-                    raise EngineError(f"this engine serves no LoRA adapter `{request.adapter}`")
+                    raise UnknownAdapter(request.adapter)
                 root = self.adapters.roots[adapter]
             seq = Sequence(request, queue.put_nowait, self.options.block_size, adapter, root)
             seq.loop = loop
@@ -260,7 +267,7 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         with self._cv:
-            if self._closing:
+            if self._closing or not self._thread.is_alive():
                 raise EngineError("the engine is shutting down")
             self._commands.append((fn, loop, done))
             self._cv.notify()
@@ -276,7 +283,12 @@ class TorchEngine:
                 if hasattr(self, "runner"):
                     self.runner.adapters = self.adapters
             self.adapters.add(adapter)
-        self._describe_adapters()
+        try:
+            self._describe_adapters()
+        except BaseException:
+            with self._cv:
+                self.adapters.remove(name)
+            raise
 
     def _remove_adapter(self, name: str) -> None:
         from .lora import AdapterError
@@ -285,9 +297,13 @@ class TorchEngine:
             index = self.adapters.index.get(name) if self.adapters is not None else None
             if index is None:
                 raise AdapterError(f"LoRA adapter `{name}` is not loaded")
-            users = [s for s in (*self.scheduler.sequences(), *self._inbox) if s.adapter == index and not s.aborted]
+            holders = [s for s in (*self.scheduler.sequences(), *self._inbox) if s.adapter == index]
+            users = [s for s in holders if not s.aborted]
             if users:
                 raise AdapterError(f"LoRA adapter `{name}` is serving {len(users)} request(s); unload it once they end")
+            for seq in holders:  # aborted, their abort not yet taken in: no step may run them now
+                if seq.status is not Status.FINISHED and seq in self.scheduler.running:
+                    self.scheduler.finish(seq)
             self.adapters.remove(name)
         self._describe_adapters()
 
@@ -299,6 +315,16 @@ class TorchEngine:
     # --- engine thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:  # however the loop ends, nobody waits for a command forever
+            with self._cv:
+                self._closing = True
+                commands, self._commands = self._commands, []
+            for _, loop, done in commands:
+                _post_result(loop, done, EngineError("the engine is shutting down"))
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not (self._inbox or self._aborts or self._commands or self._closing or self.scheduler.has_work()):
@@ -321,10 +347,6 @@ class TorchEngine:
                 self._step()
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq)
-        with self._cv:
-            commands, self._commands = self._commands, []
-        for _, loop, done in commands:
-            _post_result(loop, done, EngineError("the engine is shutting down"))
 
     def _step(self) -> None:
         step = self.scheduler.schedule()

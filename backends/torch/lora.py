@@ -93,6 +93,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
         config = json.loads(config_file.read_text("utf-8"))
     except (OSError, ValueError) as exc:
         raise fail(f"adapter_config.json is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise fail("adapter_config.json is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise fail(f"peft_type `{config.get('peft_type')}` is not supported; only LORA")
     for key, what in _UNSUPPORTED.items():
@@ -106,7 +108,11 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     targets = _targets(spec)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(weights_file)).items():
+    try:
+        weights = load_file(str(weights_file))
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error type, OSError: the file is unreadable
+        raise fail(f"adapter_model.safetensors cannot be read: {exc}") from None
+    for key, tensor in weights.items():
         m = _KEY.search(key)
         if m is None:
             raise fail(f"weight `{key}`: only the layers' projections can be adapted (q/k/v/o, gate/up/down)")

@@ -67,7 +67,7 @@ class RkModel(ctypes.Structure):
         ("final_norm", _P), ("cos", _P), ("sin", _P),
         ("lm_head", _P), ("lm_head_kp", _I),
         ("bits", ctypes.c_int), ("lm_head_bits", ctypes.c_int), ("kv_kind", ctypes.c_int),
-        ("lora", ctypes.POINTER(RkLora)),
+        ("lora", ctypes.POINTER(RkLora)), ("num_adapters", _I),
     ]
 
 

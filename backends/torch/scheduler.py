@@ -112,7 +112,7 @@ class Scheduler:
         return bool(self.running) or any(not s.aborted for _, s in self._waiting)
 
     def sequences(self) -> list[Sequence]:
-        """Every sequence running or waiting (not aborted)."""
+        """Every sequence running (aborted ones too, until finished) or waiting (not aborted)."""
         return [*self.running, *(s for _, s in self._waiting if not s.aborted)]
 
     def add(self, seq: Sequence) -> None:

@@ -754,16 +754,16 @@ int rk_lora_rank(void) { return RK_LORA_RANK; }
 
 /* Adds each adapted row's low-rank products for projection `which` (0 qkv, 1 o, 2 gate_up,
  * 3 down) of `layer`, from the quantized input (q, dq: the rows rk_linear just read) into out
- * [M, os]. row_adapter[m]: the row's adapter (0: the base model's row, untouched); table: per
- * adapter, layer and projection, RK_LORA_PARTS parts. scratch: K floats for each of the
+ * [M, os]. row_adapter[m]: the row's adapter (0, or above `adapters`: left as the base model's);
+ * table: per adapter, layer and projection, RK_LORA_PARTS parts. scratch: K floats for each of the
  * rk_threads() threads. Each row is computed alone, the same way whatever else the step holds. */
-static void lora_add(const rk_lora *table, int64_t layers, int64_t layer, int which, const int64_t *row_adapter,
-                     const int16_t *q, const float *dq, int64_t M, int64_t Kp, int64_t K, float *out, int64_t os,
-                     float *scratch) {
+static void lora_add(const rk_lora *table, int64_t adapters, int64_t layers, int64_t layer, int which,
+                     const int64_t *row_adapter, const int16_t *q, const float *dq, int64_t M, int64_t Kp, int64_t K,
+                     float *out, int64_t os, float *scratch) {
 #pragma omp parallel for schedule(static) if (M >= 4)
     for (int64_t m = 0; m < M; m++) {
         const int64_t ad = row_adapter[m];
-        if (ad <= 0) continue;
+        if (ad <= 0 || ad > adapters) continue;
         const rk_lora *parts = table + (((ad - 1) * layers + layer) * 4 + which) * RK_LORA_PARTS;
         float *x = scratch + thread_index() * K; /* the row as rk_linear saw it (times dq[m], below) */
         for (int64_t k = 0; k < K; k++) x[k] = (float)q[m * Kp + k];
@@ -811,6 +811,7 @@ typedef struct {
     int bits, lm_head_bits; /* of the layers' projections, of the LM head: 8 or 4 */
     int kv_kind; /* the KV cache's element type: RK_F32, RK_F16 or RK_BF16 */
     const rk_lora *lora; /* LoRA adapters: [adapter - 1][layer][projection][RK_LORA_PARTS]; NULL: none */
+    int64_t num_adapters; /* entries of lora: a row whose adapter is above it is left as the base model's */
 } rk_model;
 
 /* One engine step: decoding sequences and prompt chunks alike, a row per new token.
@@ -842,20 +843,20 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
         const rk_layer *l = md->layers + i;
         rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
         rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
-        if (lora) lora_add(md->lora, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
+        if (lora) lora_add(md->lora, md->num_adapters, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
         if (l->q_norm) head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
         attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, md->cos, md->sin, l->k_cache, l->v_cache, slot,
                   table, tw, tab_of, len, md->block_size, l->window, md->scale, max_len, md->kv_kind, scores, attn);
         rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, x, H, 1, xsum);
-        if (lora) lora_add(md->lora, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, x, H, lx);
+        if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, x, H, lx);
         rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
         rk_linear(q, dq, M, l->gate_up_kp, l->gate_up, md->group, md->bits,
                   l->gate_up_bias, 2 * I, gate_up, 2 * I, 0, xsum);
-        if (lora) lora_add(md->lora, L, i, 2, row_adapter, q, dq, M, l->gate_up_kp, H, gate_up, 2 * I, lx);
+        if (lora) lora_add(md->lora, md->num_adapters, L, i, 2, row_adapter, q, dq, M, l->gate_up_kp, H, gate_up, 2 * I, lx);
         rk_silu_mul_quantize(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
         rk_linear(q, dq, M, l->down_kp, l->down, md->group, md->bits, l->down_bias, H, x, H, 1, xsum);
-        if (lora) lora_add(md->lora, L, i, 3, row_adapter, q, dq, M, l->down_kp, I, x, H, lx);
+        if (lora) lora_add(md->lora, md->num_adapters, L, i, 3, row_adapter, q, dq, M, l->down_kp, I, x, H, lx);
     }
     free(scores);
     free(lx);

@@ -26,11 +26,12 @@ over 32 streams, a step that decodes about 30 sequences and computes a short pro
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
 
+import torch
+
 from .kv_cache import KVCache
+from .lora import PROJECTIONS
 from .model import CausalLM
 from .quantize import PackedLinear
 from .scheduler import Scheduled, Step, StepRows
@@ -61,6 +62,13 @@ def prompt_positions(work: list[Scheduled]) -> int:
     return total
 
 
+def _float_pointer(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
+    """The address of ``t`` as contiguous float32 (a copy where it is not), kept alive in ``keep``."""
+    t = t.detach().float().contiguous()
+    keep.append(t)
+    return t.data_ptr()
+
+
 class CpuDecoder:
     """Runs the steps :meth:`accepts` of ``model`` (all its linears :class:`~.quantize.PackedLinear`)
     in one C call each."""
@@ -89,12 +97,8 @@ class CpuDecoder:
         linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
         self._kp = max(lin.padded_in_features for lin in linears)
         # Everything C reads stays referenced here (the model holds the packed weights).
-        self._keep = []
-
-        def f32(t: torch.Tensor) -> int:
-            t = t.detach().float().contiguous()
-            self._keep.append(t)
-            return t.data_ptr()
+        self._keep: list[torch.Tensor] = []
+        f32 = lambda t: _float_pointer(t, self._keep)  # noqa: E731
 
         layers = (RkLayer * spec.num_layers)()
         for i, layer in enumerate(model.layers):
@@ -141,11 +145,11 @@ class CpuDecoder:
 
         self.serves_adapters = False
         parts_per, max_rank = self._k.lora_parts, self._k.lora_rank
-        which = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
+        projections = len(PROJECTIONS)  # rk_decode_step's `which`: their order
         layers = self.spec.num_layers
         present = [(i, a) for i, a in enumerate(adapters) if a is not None]
         entries = [
-            (((i * layers + layer) * 4 + which[module]) * parts_per + p, part)
+            (((i * layers + layer) * projections + PROJECTIONS.index(module)) * parts_per + p, part)
             for i, adapter in present
             for (layer, module), parts in adapter.parts.items()
             for p, part in enumerate(parts)
@@ -155,16 +159,10 @@ class CpuDecoder:
         ):
             self._lora, self._plan.lora, self._plan.num_adapters = None, None, 0  # drop the old table's copies
             return False
-        table = (RkLora * max(1, len(adapters) * layers * 4 * parts_per))()
-        keep = []  # what C reads, referenced as long as this table is the plan's
-
-        def f32(t: torch.Tensor) -> int:
-            t = t.detach().float().contiguous()
-            keep.append(t)
-            return t.data_ptr()
-
+        table = (RkLora * max(1, len(adapters) * layers * projections * parts_per))()
+        keep: list[torch.Tensor] = []  # what C reads, referenced as long as this table is the plan's
         for at, (start, end, a, b) in entries:
-            table[at] = RkLora(f32(a), f32(b.T), a.shape[0], start, end - start)
+            table[at] = RkLora(_float_pointer(a, keep), _float_pointer(b.T, keep), a.shape[0], start, end - start)
         self._lora = (table, keep)
         self._plan.lora = ctypes.cast(table, ctypes.POINTER(RkLora))
         self._plan.num_adapters = len(adapters)

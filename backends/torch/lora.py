@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from .scheduler import Scheduled
 
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""The (fused) projections of a layer an adapter can reach, attention's first; in this order
+they are rk_decode_step's ``which`` 0..3."""
+
+
 class AdapterError(ValueError):
     """An adapter this engine cannot serve (the message names the adapter and what is wrong)."""
 
@@ -256,4 +261,4 @@ class Adapters:
 
 
 def _owner(layer: nn.Module, module: str) -> nn.Module:
-    return layer.self_attn if module in ("qkv_proj", "o_proj") else layer.mlp
+    return layer.self_attn if module in PROJECTIONS[:2] else layer.mlp

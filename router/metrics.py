@@ -170,6 +170,9 @@ class RouterMetrics:
             ("router:num_requests_waiting", "Requests waiting: in the router's admission queue and the engine's."),
             ("router:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (torch engine)."),
             ("router:num_preemptions_total", "Sequences preempted for lack of KV memory (torch engine)."),
+            ("router:spec_decode_num_drafts_total", "Speculative drafts verified (torch engine, speculative_config)."),
+            ("router:spec_decode_num_draft_tokens_total", "Tokens in the speculative drafts verified."),
+            ("router:spec_decode_num_accepted_tokens_total", "Draft tokens the model agreed with (kept)."),
             ("router:remote_deployment_up", "1 if a remote deployment takes traffic, else 0."),
             ("router:remote_deployment_in_flight", "Requests in flight to a remote deployment."),
         ):

@@ -19,6 +19,13 @@ from .requests import RequestTypes, compose
 
 log = logging.getLogger("router.state")
 
+# Speculative decoding's counters (vLLM's spec_decode metrics) and the engine stats they read.
+_SPEC_STATS = {
+    "router:spec_decode_num_drafts_total": "spec_drafts",
+    "router:spec_decode_num_draft_tokens_total": "spec_draft_tokens",
+    "router:spec_decode_num_accepted_tokens_total": "spec_accepted_tokens",
+}
+
 
 class RouterState:
     """Everything one app serves. Models load in the background; /health tells when."""
@@ -170,6 +177,8 @@ class RouterState:
                 yield labels, stats["kv_blocks_used"] / max(stats["kv_blocks_total"], 1)
             elif name == "router:num_preemptions_total" and "preemptions" in stats:
                 yield labels, stats["preemptions"]
+            elif name.startswith("router:spec_decode_") and "spec_drafts" in stats:
+                yield labels, stats[_SPEC_STATS[name]]
             elif name.startswith("router:remote_deployment"):
                 for d in stats.get("deployments", ()):
                     if name.endswith("_up"):

@@ -102,3 +102,22 @@ def test_lora_adapters_on_cuda_match_transformers_with_them_merged(tmp_path, gra
         run(engine.stop())
     for (p, a), out in zip(jobs, outs):
         assert out == hf_greedy(base if a is None else merged, p, 16)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_speculative_drafts_on_cuda_match_transformers_on_the_cpu(tmp_path, graphs):
+    """Steps with draft rows run eagerly beside captured decode steps; float32 on the GPU."""
+    from backends.torch import SpeculativeConfig
+
+    folder = tiny_checkpoint(tmp_path / "llama", "llama")
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    engine = engine_for(folder, device="cuda", dtype="float32", block_size=4, max_batched_tokens=32,
+                        cuda_graphs=graphs, max_num_seqs=16, speculative_config=ngram)
+    try:
+        prompts = [[5, 6, 7, 8, 9, 10] * 4, *random_prompts(1, (5, 23, 11))]
+        outs = generate_all(engine, prompts, 20)
+        for ours, p in zip(outs, prompts):
+            assert ours == hf_greedy(folder, p, 20)
+        assert engine.stats()["spec_accepted_tokens"] > 0
+    finally:
+        run(engine.stop())

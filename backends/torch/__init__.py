@@ -15,6 +15,7 @@ router.toml::
     weight_format = "int4"   # CPU: "fp16" (fbgemm), "int8" or "int4" (own C kernels); default "native"
     cuda_graphs = true       # CUDA: decode steps replayed from captured graphs
     lora_modules = { smollm2-pirate = "adapters/pirate" }  # LoRA adapters, each served as a model
+    speculative_config = { method = "ngram", num_speculative_tokens = 4, prompt_lookup_max = 4 }
 
 torch and transformers are imported only when a model of this backend loads.
 """
@@ -23,12 +24,39 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from msgspec import Meta
+from msgspec import Meta, Struct
 
 from router.backend import LocalBackend
 from router.config import ModelConfig, resolve_path
 from router.engine import Engine
 from router.hookspecs import hookimpl
+
+
+class SpeculativeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``--speculative-config`` for its draft-free method: ``ngram`` drafts up to
+    ``num_speculative_tokens`` tokens that followed an earlier occurrence of the sequence's last
+    ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens (the longest found; both default to the
+    other, or to 5), and each step verifies them. Output is unchanged; it pays when the output
+    repeats the prompt or itself (quoting, editing, extraction). ``disable_by_batch_size``: no
+    drafts while that many sequences run."""
+
+    method: Literal["ngram"]
+    num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)]
+    prompt_lookup_max: Annotated[int, Meta(ge=1, le=64)] | None = None
+    prompt_lookup_min: Annotated[int, Meta(ge=1, le=64)] | None = None
+    disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
 
 class TorchConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
@@ -67,6 +95,10 @@ class TorchConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
     and of any adapters (vLLM's ``--lora-modules``). Under int8/int4 the one C call adds adapter
     rows itself; on CUDA, steps with adapter rows run eagerly (captured graphs hold the base
     weights only)."""
+
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's ``--speculative-config``); only ``method = "ngram"``.
+    Sequences under structured outputs or tools are not drafted."""
 
     def adapter_names(self) -> list[str]:
         return list(self.lora_modules)

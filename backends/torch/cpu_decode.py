@@ -52,11 +52,11 @@ generations, C against torch operations, in ms: a 256-token prompt (32,896 pairs
 
 
 def prompt_positions(work: list[Scheduled]) -> int:
-    """Attention pairs of the prompt chunks in ``work``: a chunk of n tokens from position s
-    attends to s + 1, ..., s + n positions."""
+    """Attention pairs of the prompt chunks in ``work`` (not drafts): a chunk of n tokens from
+    position s attends to s + 1, ..., s + n positions."""
     total = 0
     for w in work:
-        if not w.is_decode:
+        if not w.is_decode and not w.draft:  # a draft's few rows cost what decode rows do
             s, n = w.seq.num_computed, w.num_new
             total += n * s + n * (n + 1) // 2
     return total

@@ -37,6 +37,7 @@ from .runner import ModelRunner
 from .sampler import BatchSampler
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .speculative import NgramOptions, NgramProposer
 
 log = logging.getLogger("router.torch")
 
@@ -62,6 +63,7 @@ class EngineOptions:
     # runs the same padded path without capturing (how it is tested without a GPU); "off".
     decode_graphs: str = "off"
     lora_modules: dict[str, Path] = field(default_factory=dict)  # adapter name -> PEFT LoRA folder
+    speculative: NgramOptions | None = None  # speculative decoding by n-gram lookup; None: off
 
 
 def release_freed_memory() -> None:
@@ -153,7 +155,13 @@ class TorchEngine:
             spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, options.device
         )
         self.pool = BlockPool(pool_blocks, options.block_size, prefix_caching=options.prefix_caching)
-        self.scheduler = Scheduler(self.pool, max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_batched_tokens)
+        self.proposer = NgramProposer(options.speculative) if options.speculative is not None else None
+        self.scheduler = Scheduler(
+            self.pool,
+            max_num_seqs=options.max_num_seqs,
+            max_batched_tokens=options.max_batched_tokens,
+            proposer=self.proposer,
+        )
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
         if options.weight_format in ("int8", "int4"):  # steps that decode or compute short prompts: one C call
@@ -180,7 +188,7 @@ class TorchEngine:
                 decode_graphs.capture_all()
         self.runner = ModelRunner(
             self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids,
-            decoder=decoder, graphs=decode_graphs, adapters=self.adapters,
+            decoder=decoder, graphs=decode_graphs, adapters=self.adapters, proposer=self.proposer,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -203,6 +211,12 @@ class TorchEngine:
             "kv_cache_bytes": self.kv.num_blocks * self._block_bytes,
             "preemptions": self.scheduler.preemptions,
         }
+        if self.proposer is not None:
+            out |= {
+                "spec_drafts": self.proposer.drafts,
+                "spec_draft_tokens": self.proposer.draft_tokens,
+                "spec_accepted_tokens": self.proposer.accepted_tokens,
+            }
         if self.options.device.type == "cuda":
             out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.options.device)
         return out
@@ -366,13 +380,18 @@ class TorchEngine:
         for s in sampled:
             seq = s.work.seq
             req = seq.request
-            token = s.token
-            seq.tokens.append(token)
-            finish, stop_token = finish_reason(req, token, seq.num_output, len(seq.tokens), self.max_model_len, self.tokenizer.eos_token_ids)
-            first = seq.num_output == 1
+            first = seq.num_output == 0
+            finish = stop_token = None
+            for kept, token in enumerate(s.tokens, 1):  # more than one after a draft
+                seq.tokens.append(token)
+                finish, stop_token = finish_reason(req, token, seq.num_output, len(seq.tokens), self.max_model_len, self.tokenizer.eos_token_ids)
+                if finish is not None:
+                    break
+            if s.work.draft:
+                seq.trim(self.pool)  # blocks that held only rejected rows
             step_out = EngineStep(
-                [token],
-                [s.logprobs] if s.logprobs is not None else None,
+                s.tokens[:kept],
+                s.logprobs[:kept] if s.logprobs[0] is not None else None,
                 finish,
                 stop_token,
                 seq.cached_tokens if first else None,

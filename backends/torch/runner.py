@@ -14,18 +14,23 @@ from .kv_cache import KVCache
 from .model import CausalLM
 from .sampler import BatchSampler, RowSampling
 from .scheduler import Scheduled, Step, StepRows
+from .speculative import accepted_count, rewind
 
 if TYPE_CHECKING:
     from .cpu_decode import CpuDecoder
     from .graphs import DecodeGraphs
     from .lora import Adapters
+    from .speculative import NgramProposer
 
 
 @dataclass(slots=True)
 class Sampled:
+    """A sequence's new tokens from one step: one, or with a draft up to ``len(draft) + 1`` (the
+    draft tokens the model agreed with, then the token after them), and each one's logprobs."""
+
     work: Scheduled
-    token: int
-    logprobs: TokenLogprobs | None
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
 
 
 class ModelRunner:
@@ -41,8 +46,10 @@ class ModelRunner:
         decoder: CpuDecoder | None = None,
         graphs: DecodeGraphs | None = None,
         adapters: Adapters | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.model = model
+        self.proposer = proposer  # counts drafted and kept tokens (the scheduler drafts)
         self.decoder = decoder  # the packed formats' one C call for steps that decode or compute short prompts
         self.graphs = graphs  # decode-only steps on static buffers (CUDA graphs)
         self.adapters = adapters  # LoRA: which rows of a step use which adapter (lora.py)
@@ -116,9 +123,29 @@ class ModelRunner:
             w.seq.num_computed += w.num_new
         if not sampling:
             return []
-        rows = [self._row(w) for w in sampling]
+        rows = [row for w in sampling for row in self._rows(w)]
+        # A seeded row draws from its sequence's generator: where a draft's rows were only partly
+        # kept, the generator is rewound to the kept rows' draws (speculative.rewind).
+        states = {
+            j: w.seq.sampling_state.get_state()
+            for j, w in enumerate(sampling)
+            if w.draft and w.seq.sampling_state is not None and not w.seq.request.sampling.greedy
+        }
         tokens, logprobs = self.sampler.sample(logits, rows)
-        return [Sampled(w, t, lp) for w, t, lp in zip(sampling, tokens, logprobs)]
+        if not states and len(rows) == len(sampling):
+            return [Sampled(w, [t], [lp]) for w, t, lp in zip(sampling, tokens, logprobs)]
+        out, at = [], 0
+        for j, w in enumerate(sampling):
+            n = len(w.draft) + 1
+            kept = accepted_count(tokens[at : at + n], w.draft) if w.draft else 1
+            if w.draft:
+                w.seq.num_computed -= n - kept  # rejected rows' keys and values are overwritten later
+                self.proposer.record(w.seq, n - 1, kept - 1)
+                if j in states and kept < n:
+                    rewind(w.seq.sampling_state, states[j], kept)
+            out.append(Sampled(w, tokens[at : at + kept], logprobs[at : at + kept]))
+            at += n
+        return out
 
     def _score_prompts(self, step: Step, rows: StepRows, logits: torch.Tensor) -> None:
         """Prompt logprobs: the logits of position p give prompt token p + 1's entry."""
@@ -140,25 +167,33 @@ class ModelRunner:
             mask[list(ids)] = True
         return mask
 
-    def _row(self, w: Scheduled) -> RowSampling:
+    def _rows(self, w: Scheduled) -> list[RowSampling]:
+        """The sampling rows of a sequence: one, or one per drafted token plus one, row ``i``
+        sampling as if the draft's first ``i`` tokens had been generated."""
         seq = w.seq
         req = seq.request
         params = req.sampling
         if params.seed is not None and seq.sampling_state is None:
             seq.sampling_state = torch.Generator(device=self.device).manual_seed(params.seed % (2**63))
-        suppress = frozenset()
-        if seq.num_output < req.min_tokens:
-            suppress = self.eos_ids | req.stop_token_ids
         allowed = None
-        if req.constraint is not None:
+        if req.constraint is not None:  # never drafted (scheduler._draft)
             allowed = torch.from_numpy(req.constraint.allowed())
         elif params.allowed_token_ids is not None:
             allowed = self._allowed_mask(params.allowed_token_ids)
-        return RowSampling(
-            params=params,
-            generator=seq.sampling_state,
-            output_ids=seq.output_ids,
-            prompt_ids=seq.prompt_ids,
-            suppress=suppress,
-            allowed=allowed,
-        )
+        output, prompt = seq.output_ids, seq.prompt_ids
+        rows = []
+        for i in range(len(w.draft) + 1):
+            suppress = frozenset()
+            if seq.num_output + i < req.min_tokens:
+                suppress = self.eos_ids | req.stop_token_ids
+            rows.append(
+                RowSampling(
+                    params=params,
+                    generator=seq.sampling_state,
+                    output_ids=output + w.draft[:i] if i else output,
+                    prompt_ids=prompt,
+                    suppress=suppress,
+                    allowed=allowed,
+                )
+            )
+        return rows

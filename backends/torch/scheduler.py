@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .kv_cache import BlockPool
 from .sequence import Sequence, Status
+from .speculative import NgramProposer
 
 SCORED_ROWS = 256
 """At most this many prompt rows per step score the next prompt token (prompt logprobs): each
@@ -25,12 +26,15 @@ rows are 156 MB of float32), so a long scored prompt is cut into chunks this siz
 @dataclass(slots=True)
 class Scheduled:
     seq: Sequence
-    num_new: int  # tokens computed this step, starting at seq.num_computed
+    num_new: int  # tokens computed this step, starting at seq.num_computed (the draft included)
+    draft: list[int] = field(default_factory=list)
+    """Speculative tokens after the sequence's last one (speculative.py): computed this step too,
+    each of the last ``len(draft) + 1`` rows samples."""
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's known tokens (so it samples)."""
-        return self.seq.num_computed + self.num_new == len(self.seq.tokens)
+        return self.seq.num_computed + self.num_new == len(self.seq.tokens) + len(self.draft)
 
     @property
     def is_decode(self) -> bool:
@@ -51,8 +55,8 @@ class StepRows:
     the context length after it, which of the block tables it reads (one per sequence, padded to
     ``width`` with ``pad_block``; entries past a row's length are never read), and the rows
     whose logits are wanted (``out_rows``, ascending): a decoding sequence's token, the last
-    token of a prompt's final chunk, and the prompt tokens that score the next one (prompt
-    logprobs). Of those, ``sampling`` indexes the ones that sample (in the order of the work
+    token of a prompt's final chunk, a draft's rows, and the prompt tokens that score the next
+    one (prompt logprobs). Of those, ``sampling`` indexes the ones that sample (in the order of the work
     that samples) and ``scored`` the others, as (index, work index, position). In a decode-only
     step, rows and sequences coincide and every out row samples."""
 
@@ -73,20 +77,22 @@ class StepRows:
         for j, w in enumerate(work):
             seq, start = w.seq, w.seq.num_computed
             table = seq.block_table
+            tokens = seq.tokens + w.draft if w.draft else seq.tokens
             scoring = seq.scoring(w.num_new)
             for p in range(start, start + w.num_new):
                 if p in scoring:
                     rows.scored.append((len(rows.out_rows), j, p))
                     rows.out_rows.append(len(rows.ids))
-                rows.ids.append(seq.tokens[p])
+                rows.ids.append(tokens[p])
                 rows.positions.append(p)
                 rows.slots.append(table[p // block_size] * block_size + p % block_size)
                 rows.lengths.append(p + 1)
                 rows.table_of.append(j)
             rows.tables.append(table + [pad_block] * (rows.width - len(table)))
             if w.samples:
-                rows.sampling.append(len(rows.out_rows))
-                rows.out_rows.append(len(rows.ids) - 1)
+                for row in range(len(rows.ids) - 1 - len(w.draft), len(rows.ids)):
+                    rows.sampling.append(len(rows.out_rows))
+                    rows.out_rows.append(row)
         return rows
 
 
@@ -94,9 +100,16 @@ class Scheduler:
     """Waiting queue (a priority heap), running set, and the per-step plan."""
 
     def __init__(
-        self, pool: BlockPool, *, max_num_seqs: int, max_batched_tokens: int, scored_rows: int = SCORED_ROWS
+        self,
+        pool: BlockPool,
+        *,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        scored_rows: int = SCORED_ROWS,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.pool = pool
+        self.proposer = proposer  # speculative decoding: drafts for decoding sequences
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.scored_rows = scored_rows
@@ -138,19 +151,23 @@ class Scheduler:
         self._scoring = self.scored_rows  # rows left this step that may score a prompt
         scheduled: set[int] = set()
         self.running.sort(key=lambda s: s.order)
+        drafting = self.proposer is not None and self.proposer.active(len(self.running))
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk(seq, budget)
+            draft = self._draft(seq, budget) if drafting and num_new == 1 else []
             if num_new:
-                num_new = self._fit(seq, num_new, scheduled, step)
+                # Drafted tokens take only the room there is: never a preemption for them.
+                num_new = self._fit(seq, num_new + len(draft), scheduled, step)
+                del draft[max(num_new - 1, 0) :]
             if not num_new:
                 continue  # it was preempted itself, or has no scoring rows left this step
             self._scoring -= len(seq.scoring(num_new))
             seq.grow(self.pool, num_new)
-            step.work.append(Scheduled(seq, num_new))
+            step.work.append(Scheduled(seq, num_new, draft))
             scheduled.add(seq.id)
             budget -= num_new
         while budget > 0 and self._waiting and len(self.running) < self.max_num_seqs:
@@ -165,6 +182,15 @@ class Scheduler:
         # Decode rows first: the attention layout expects them at the front.
         step.work.sort(key=lambda w: not w.is_decode)
         return step
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Tokens to verify after a decoding sequence's last one, within the step's budget and the
+        request's ``max_tokens``; none under a grammar (it would have to advance through them)."""
+        req = seq.request
+        if req.constraint is not None or len(seq.tokens) - seq.num_computed != 1:
+            return []
+        limit = min(budget - 1, req.max_tokens - seq.num_output - 1, self.proposer.size_for(seq))
+        return self.proposer.propose(seq.tokens, limit)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens ``seq`` would compute this step: what is left of it, within the budget,

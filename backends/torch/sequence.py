@@ -47,6 +47,7 @@ class Sequence:
         self.cached_tokens: int | None = None  # prefix-cache hits at first admission
         self.aborted = False
         self.sampling_state: Any = None  # owned by the runner (random generator)
+        self.draft_size: int | None = None  # speculative decoding: this sequence's draft length
         self.loop: Any = None  # the event loop whose request this is
         self.order = (request.priority, request.arrival, self.id)
         # Prompt logprobs, when asked: entry p scores prompt token p + 1 (from position p's logits).
@@ -113,6 +114,13 @@ class Sequence:
     def grow(self, pool: BlockPool, num_new: int) -> None:
         for _ in range(self.blocks_needed(num_new)):
             self.block_table.append(pool.allocate())
+
+    def trim(self, pool: BlockPool) -> None:
+        """Release the blocks past those the computed tokens fill (after a draft's rejected
+        rows: they are private, never offered to the prefix cache)."""
+        keep = -(-self.num_computed // self.block_size)
+        while len(self.block_table) > keep:
+            pool.release(self.block_table.pop())
 
     def register_full_blocks(self, pool: BlockPool) -> None:
         """Offer blocks that became full (and computed) to the prefix cache."""

@@ -9,6 +9,7 @@ import torch
 
 from .engine import EngineOptions, TorchEngine
 from .loader import load_checkpoint
+from .speculative import NgramOptions
 
 log = logging.getLogger("router.torch")
 
@@ -36,6 +37,18 @@ def kv_budget(config, device: torch.device, dtype: torch.dtype, checkpoint, adap
         weights += adapter_bytes
         return int(max(free - weights, 0) * config.kv_cache_fraction)
     return 1 << 30
+
+
+def speculative_options(config) -> NgramOptions | None:  # type: ignore[no-untyped-def]
+    """The engine's n-gram drafting from a model's ``speculative_config`` (None: off)."""
+    if config is None:
+        return None
+    return NgramOptions(
+        num_tokens=config.num_speculative_tokens,
+        min_n=config.prompt_lookup_min,
+        max_n=config.prompt_lookup_max,
+        disable_by_batch_size=config.disable_by_batch_size,
+    )
 
 
 def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) -> TorchEngine:  # type: ignore[no-untyped-def]
@@ -71,12 +84,14 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) ->
         weight_format=config.weight_format,
         decode_graphs="capture" if device.type == "cuda" and config.cuda_graphs else "off",
         lora_modules=dict(adapters or {}),
+        speculative=speculative_options(config.speculative_config),
     )
     engine = TorchEngine(load, options)
     log.info(
-        "torch engine: %s %s, %d %s KV blocks of %d tokens, context %d, decode graphs %s, %d LoRA adapters",
+        "torch engine: %s %s, %d %s KV blocks of %d tokens, context %d, decode graphs %s, %d LoRA adapters, "
+        "speculative %s",
         device, str(dtype).removeprefix("torch."), engine.pool.num_blocks,
         str(engine.kv.k[0].dtype).removeprefix("torch."), config.block_size, engine.max_model_len,
-        options.decode_graphs, len(options.lora_modules),
+        options.decode_graphs, len(options.lora_modules), options.speculative or "off",
     )
     return engine

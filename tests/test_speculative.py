@@ -1,0 +1,307 @@
+"""Speculative decoding's pieces without a model: n-gram drafts, acceptance, the generator's
+rewind, the scheduler's drafts and the rows a draft gives a step."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import msgspec
+import pytest
+import torch
+
+from backends.torch import SpeculativeConfig, TorchConfig
+from backends.torch.kv_cache import BlockPool
+from backends.torch.scheduler import Scheduled, Scheduler, StepRows
+from backends.torch.sequence import Sequence
+from backends.torch.setup import speculative_options
+from backends.torch.speculative import NgramOptions, NgramProposer, accepted_count, rewind
+from router.engine import EngineRequest, SamplingParams
+
+BS = 4
+
+
+def proposer(k=3, min_n=1, max_n=3, by_batch=None) -> NgramProposer:
+    return NgramProposer(NgramOptions(k, min_n, max_n, by_batch))
+
+
+def reference(tokens, k, min_n, max_n, limit=99):
+    """The definition, by brute force: longest n first, the most recent earlier occurrence."""
+    k = min(k, limit)
+    if k < 1:
+        return []
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+# --- drafts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tokens, expected",
+    [
+        ([1, 2, 3, 4], []),  # the last token never occurred before
+        ([5, 6, 7, 5], [6, 7, 5]),  # a 1-gram: what followed the earlier 5
+        ([1, 2, 9, 8, 2, 7, 6, 1, 2], [9, 8, 2]),  # the 2-gram [1, 2] beats the later 1-gram [2]
+        ([1, 2, 3, 1, 2, 4, 1, 2], [4, 1, 2]),  # two occurrences: the most recent one
+        ([4, 4, 4, 4], [4]),  # a run: the most recent window leaves one token to follow
+        ([1, 2, 1, 2, 1, 2], [1, 2]),  # a loop: the 3-gram [2, 1, 2] at 1 is followed by [1, 2]
+        ([7], []),  # too short
+        ([3, 3], [3]),
+    ],
+)
+def test_ngram_drafts(tokens, expected):
+    assert proposer().propose(tokens, 10) == expected
+    assert expected == reference(tokens, 3, 1, 3)
+
+
+def test_min_n_ignores_shorter_matches():
+    tokens = [1, 2, 9, 8, 3, 2]  # only the 1-gram [2] occurred before
+    assert proposer(min_n=1).propose(tokens, 10) == [9, 8, 3]
+    assert proposer(min_n=2).propose(tokens, 10) == []
+
+
+def test_max_n_caps_the_match_length():
+    # [1, 2, 3] occurred at 0 (followed by 7); the 2-gram [2, 3] also at 5 (followed by 8).
+    tokens = [1, 2, 3, 7, 0, 2, 3, 8, 1, 2, 3]
+    assert proposer(max_n=3).propose(tokens, 10) == [7, 0, 2]
+    assert proposer(max_n=2).propose(tokens, 10) == [8, 1, 2]
+
+
+def test_draft_length_is_the_smaller_of_k_and_the_limit():
+    tokens = [1, 2, 3, 4, 5, 6, 1]
+    assert proposer(k=3).propose(tokens, 10) == [2, 3, 4]
+    assert proposer(k=3).propose(tokens, 2) == [2, 3]
+    assert proposer(k=3).propose(tokens, 0) == []
+    assert proposer(k=3).propose(tokens, -1) == []
+
+
+def test_drafts_equal_the_brute_force_definition_on_random_sequences():
+    rng = random.Random(0)
+    for trial in range(600):
+        alphabet = rng.choice([2, 3, 5, 50])
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 40))]
+        k, min_n = rng.randrange(1, 6), rng.randrange(1, 4)
+        max_n = min_n + rng.randrange(0, 4)
+        limit = rng.randrange(0, 8)
+        got = proposer(k, min_n, max_n).propose(tokens, limit)
+        assert got == reference(tokens, k, min_n, max_n, limit), (trial, tokens, k, min_n, max_n, limit)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="min <= max"):
+        proposer(min_n=3, max_n=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        proposer(k=0)
+
+
+def test_disable_by_batch_size():
+    p = proposer(by_batch=4)
+    assert p.active(3) and not p.active(4)
+    assert proposer().active(1000)
+
+
+# --- acceptance ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sampled, draft, kept",
+    [
+        ([5, 9, 9], [6, 9], 1),  # the first row already differs: its token, nothing more
+        ([6, 8, 9], [6, 9], 2),  # the first drafted token kept, then the model's own
+        ([6, 9, 4], [6, 9], 3),  # all kept, plus the token after them
+        ([3], [], 1),
+    ],
+)
+def test_accepted_count(sampled, draft, kept):
+    assert accepted_count(sampled, draft) == kept
+
+
+def test_rewind_leaves_the_generator_as_the_kept_draws_would():
+    g = torch.Generator().manual_seed(11)
+    state = g.get_state()
+    drawn = [torch.rand(1, generator=g).item() for _ in range(4)]
+    rewind(g, state, 2)
+    assert torch.rand(1, generator=g).item() == drawn[2]
+    rewind(g, state, 0)
+    assert torch.rand(1, generator=g).item() == drawn[0]
+
+
+def test_draft_sizes_follow_each_sequence_record():
+    p = proposer(k=5)
+    a, b = decoding_seq([1]), decoding_seq([2])
+    assert p.size_for(a) == 5
+    p.record(a, 5, 2)  # a miss: one shorter
+    p.record(a, 4, 0)
+    assert p.size_for(a) == 3 and p.size_for(b) == 5
+    p.record(a, 3, 3)  # kept whole: two longer, up to num_tokens
+    assert p.size_for(a) == 5
+    p.record(a, 5, 5)
+    assert p.size_for(a) == 5
+    for _ in range(6):
+        p.record(b, 1, 0)
+    assert p.size_for(b) == 1  # never below one
+    assert (p.drafts, p.draft_tokens, p.accepted_tokens) == (10, 23, 10)
+    p.adaptive = False
+    assert p.size_for(b) == 5
+
+
+def test_the_scheduler_drafts_what_the_record_allows():
+    sched = scheduler(k=3)
+    s = decoding_seq([5, 6, 7, 8, 9])
+    admit_and_prefill(sched, [s])
+    s.draft_size = 1
+    assert sched.schedule().work[0].draft == [6]
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+def spec_config(**fields):
+    return msgspec.convert({"method": "ngram", "num_speculative_tokens": 4, **fields}, SpeculativeConfig)
+
+
+def test_lookup_sizes_default_to_each_other_or_to_five():
+    assert (spec_config().prompt_lookup_min, spec_config().prompt_lookup_max) == (5, 5)
+    got = spec_config(prompt_lookup_max=3)
+    assert (got.prompt_lookup_min, got.prompt_lookup_max) == (3, 3)
+    got = spec_config(prompt_lookup_min=2)
+    assert (got.prompt_lookup_min, got.prompt_lookup_max) == (2, 2)
+    options = speculative_options(spec_config(prompt_lookup_min=2, prompt_lookup_max=4, disable_by_batch_size=8))
+    assert options == NgramOptions(num_tokens=4, min_n=2, max_n=4, disable_by_batch_size=8)
+    assert speculative_options(None) is None
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min (4) is above prompt_lookup_max (2)"),
+        ({"method": "eagle"}, "Invalid enum value 'eagle'"),
+        ({"num_speculative_tokens": 0}, "Expected `int` >= 1"),
+        ({"model": "x"}, "unknown field `model`"),
+    ],
+)
+def test_bad_configs_name_their_field(fields, message):
+    entry = {"name": "m", "backend": "torch", "path": "x", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4, **fields}}
+    with pytest.raises(msgspec.ValidationError, match=re.escape(message)) as info:
+        msgspec.convert(entry, TorchConfig)
+    assert "speculative_config" in str(info.value)
+
+
+# --- scheduling and rows ----------------------------------------------------------------------
+
+
+class Grammar:
+    """Stands for a structured-outputs constraint: the scheduler only needs to see one."""
+
+
+def decoding_seq(tokens, max_tokens=50, constraint=None) -> Sequence:
+    req = EngineRequest("r", list(tokens), SamplingParams(), max_tokens, constraint=constraint)
+    seq = Sequence(req, lambda _: None, BS)
+    return seq
+
+
+def scheduler(blocks=64, budget=64, k=3, by_batch=None) -> Scheduler:
+    return Scheduler(BlockPool(blocks, BS), max_num_seqs=8, max_batched_tokens=budget, proposer=proposer(k, 1, 2, by_batch))
+
+
+def admit_and_prefill(sched: Scheduler, seqs, first_token=5):
+    """Run the prompts through (no drafts while prefilling) and sample ``first_token`` for each."""
+    for s in seqs:
+        sched.add(s)
+    step = sched.schedule()
+    assert all(not w.draft for w in step.work)
+    for w in step.work:
+        w.seq.num_computed += w.num_new
+        w.seq.tokens.append(first_token)
+
+
+def test_a_decoding_sequence_gets_a_draft_and_its_rows_all_sample():
+    sched = scheduler()
+    s = decoding_seq([5, 6, 7, 8, 9])
+    admit_and_prefill(sched, [s])  # tokens: 5 6 7 8 9 5 -> the 5 at 0 was followed by 6 7 8
+    step = sched.schedule()
+    (w,) = step.work
+    assert w.draft == [6, 7, 8] and w.num_new == 4 and w.samples and not w.is_decode
+    rows = StepRows.of(step.work, BS)
+    assert rows.ids == [5, 6, 7, 8] and rows.positions == [5, 6, 7, 8]
+    assert rows.out_rows == [0, 1, 2, 3] and rows.sampling == [0, 1, 2, 3]
+    assert rows.slots == [s.block_table[p // BS] * BS + p % BS for p in range(5, 9)]
+    assert len(s.block_table) == 3  # room for positions up to 8
+
+
+def test_drafts_stay_within_max_tokens_and_the_budget():
+    sched = scheduler()
+    s = decoding_seq([5, 6, 7, 8, 9], max_tokens=10)
+    admit_and_prefill(sched, [s])
+    sched.max_batched_tokens = 3
+    assert sched.schedule().work[0].draft == [6, 7]  # the budget: 3 rows
+    sched = scheduler()
+    s = decoding_seq([5, 6, 7, 8, 9], max_tokens=3)
+    admit_and_prefill(sched, [s])  # one output token so far: two more at most, one drafted
+    assert sched.schedule().work[0].draft == [6]
+    sched = scheduler()
+    s = decoding_seq([5, 6, 7, 8, 9], max_tokens=2)
+    admit_and_prefill(sched, [s])
+    assert sched.schedule().work[0].draft == []
+
+
+def test_drafts_take_only_free_memory_and_never_preempt():
+    sched = scheduler(blocks=2)
+    s = decoding_seq([5, 6, 7, 8, 9, 1, 2])  # 7 tokens + 1 sampled: the two blocks hold 8
+    admit_and_prefill(sched, [s])
+    step = sched.schedule()
+    assert step.work[0].draft == [] and step.work[0].num_new == 1 and not step.preempted
+    sched = scheduler(blocks=5)
+    a, b = decoding_seq([5, 6, 7, 8, 9, 1]), decoding_seq([3, 5, 2, 8, 1, 9])
+    admit_and_prefill(sched, [a, b])  # 6 computed each, in 2 blocks each: one block left
+    step = sched.schedule()
+    assert not step.preempted and sched.pool.num_free == 0
+    # a's draft takes the free block (positions 8 and 9); b's own second block ends at 7.
+    assert [(w.seq, w.draft) for w in step.work] == [(a, [6, 7, 8]), (b, [2])]
+
+
+def test_no_drafts_under_a_grammar_or_a_large_batch():
+    sched = scheduler()
+    s = decoding_seq([5, 6, 7, 8, 9], constraint=Grammar())
+    admit_and_prefill(sched, [s])
+    assert sched.schedule().work[0].draft == []
+    sched = scheduler(by_batch=2)
+    a, b = decoding_seq([5, 6, 7, 8, 9]), decoding_seq([5, 6, 7, 8, 9])
+    admit_and_prefill(sched, [a, b])
+    assert [w.draft for w in sched.schedule().work] == [[], []]
+
+
+def test_trim_releases_blocks_that_held_only_rejected_rows():
+    pool = BlockPool(8, BS)
+    s = decoding_seq(range(6))
+    s.grow(pool, 10)  # a draft's rows reached position 9: three blocks
+    s.num_computed = 7  # two drafted rows kept
+    s.trim(pool)
+    assert len(s.block_table) == 2 and pool.num_used == 2
+    s.num_computed = 8
+    s.trim(pool)
+    assert len(s.block_table) == 2
+
+
+def test_a_step_mixes_decodes_drafts_and_prompts():
+    sched = scheduler()
+    plain = decoding_seq([1, 2, 3, 4])  # 4 was never seen before: no draft
+    drafted = decoding_seq([5, 6, 7, 8, 9])
+    admit_and_prefill(sched, [plain, drafted], first_token=5)
+    late = decoding_seq([3, 3, 3])
+    sched.add(late)
+    step = sched.schedule()
+    assert [(w.seq, w.num_new, w.draft) for w in step.work] == [
+        (plain, 1, []), (drafted, 4, [6, 7, 8]), (late, 3, []),
+    ]
+    assert isinstance(step.work[0], Scheduled) and step.work[0].is_decode
+    rows = StepRows.of(step.work, BS)
+    assert rows.out_rows == [0, 1, 2, 3, 4, 7] and rows.sampling == [0, 1, 2, 3, 4, 5]
+    assert rows.ids == [5, 5, 6, 7, 8, 3, 3, 3]

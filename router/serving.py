@@ -99,19 +99,30 @@ class Choice:
         return text, calls
 
     def _text(self, step: EngineStep) -> str:
-        self.token_ids.extend(step.token_ids)
-        if step.logprobs:
-            self.logprobs.extend(zip(step.token_ids, step.logprobs))
+        ids, logprobs = step.token_ids, step.logprobs
         if step.cached_tokens is not None:
             self.cached_tokens = step.cached_tokens
         if step.prompt_logprobs is not None:
             self.prompt_logprobs = step.prompt_logprobs
-        text_ids = step.token_ids
+        text_ids = ids
         if step.finish_reason == "stop" and step.stop_token is not None:
             # A stop token ends the sequence without being shown (EOS is a control token and
             # decodes to nothing anyway).
             text_ids = text_ids[:-1]
-        out = self.stops.push(self.detok.push(text_ids))
+        if len(text_ids) > 1 and self.stops.watching:
+            # Several tokens in one step (speculative decoding): those after the one that
+            # completes a stop string are not part of the answer, its token ids or its usage.
+            out = ""
+            for i, token in enumerate(text_ids):
+                out += self.stops.push(self.detok.push([token]))
+                if self.stops.stopped_by is not None:
+                    ids, logprobs = ids[: i + 1], logprobs[: i + 1] if logprobs else logprobs
+                    break
+        else:
+            out = self.stops.push(self.detok.push(text_ids))
+        self.token_ids.extend(ids)
+        if logprobs:
+            self.logprobs.extend(zip(ids, logprobs))
         if self.stops.stopped_by is not None:
             self.finish_reason, self.stop_reason = "stop", self.stops.stopped_by
         elif step.finish_reason is not None:

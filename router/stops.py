@@ -23,6 +23,11 @@ class StopChecker:
         self._released = 0
         self.stopped_by: str | None = None
 
+    @property
+    def watching(self) -> bool:
+        """Whether there are stop strings to look for."""
+        return bool(self._stops)
+
     def push(self, delta: str) -> str:
         """Add decoded text; return what may be sent now. Sets :attr:`stopped_by` on a match."""
         if self.stopped_by is not None or not delta:

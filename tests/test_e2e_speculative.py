@@ -1,0 +1,92 @@
+"""End to end: a torch model with n-gram speculative decoding against the same model without,
+over HTTP with the openai SDK. Same answers, usage that adds up, the spec_decode metrics."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from server import RouterProcess, torch_config
+from test_torch_speculative import TEXT
+
+SPEC = 'speculative_config = { method = "ngram", num_speculative_tokens = 4, prompt_lookup_min = 2, prompt_lookup_max = 4 }'
+COPY = [{"role": "user", "content": f"Repeat this text exactly: {TEXT}"}]
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    config = torch_config("plain", 512) + torch_config("spec", 512, SPEC)
+    proc = RouterProcess(config, tmp_path_factory.mktemp("spec-e2e"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
+
+
+def chat(client, model, **fields):
+    fields = {"messages": COPY, "temperature": 0, "max_tokens": 48, **fields}
+    return client.chat.completions.create(model=model, **fields)
+
+
+def spec_metrics(router) -> dict[str, float]:
+    text = httpx.get(f"{router.url}/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("router:spec_decode_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_same_answer_and_usage_with_drafts(router, client):
+    before = spec_metrics(router)
+    plain = chat(client, "plain", extra_body={"return_token_ids": True})
+    spec = chat(client, "spec", extra_body={"return_token_ids": True})
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert "quick brown fox" in spec.choices[0].message.content
+    assert spec.choices[0].token_ids == plain.choices[0].token_ids
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens == len(spec.choices[0].token_ids)
+    after = spec_metrics(router)
+    accepted = 'router:spec_decode_num_accepted_tokens_total{model="spec",backend="torch"}'
+    drafted = 'router:spec_decode_num_draft_tokens_total{model="spec",backend="torch"}'
+    assert after[accepted] - before.get(accepted, 0) >= 10
+    assert after[drafted] >= after[accepted]
+    assert not any('model="plain"' in name for name in after)  # no drafts, no series
+
+
+def test_a_stream_carries_every_token_once(router, client):
+    whole = chat(client, "plain", logprobs=True)
+    stream = chat(client, "spec", logprobs=True, stream=True, stream_options={"include_usage": True})
+    text, entries, usage, chunks = "", [], None, 0
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            chunks += 1
+            text += choice.delta.content or ""
+            if choice.logprobs is not None and choice.logprobs.content:
+                entries += choice.logprobs.content
+    assert text == whole.choices[0].message.content
+    assert [e.token for e in entries] == [e.token for e in whole.choices[0].logprobs.content]
+    assert usage.completion_tokens == whole.usage.completion_tokens == len(entries)
+    assert chunks < len(entries)  # some chunks carried several tokens: drafts were kept
+
+
+def test_a_stop_string_inside_a_step_cuts_the_tokens_after_it(router, client):
+    # In the copy, ". A journey of a" comes in one step (drafted): " of a" must not count.
+    fields = {"stop": ["journey"], "logprobs": True, "extra_body": {"return_token_ids": True}}
+    plain = chat(client, "plain", **fields)
+    spec = chat(client, "spec", **fields)
+    choice = spec.choices[0]
+    assert choice.finish_reason == "stop" and "journey" not in choice.message.content
+    assert choice.message.content == plain.choices[0].message.content
+    assert choice.token_ids == plain.choices[0].token_ids
+    assert spec.usage.completion_tokens == len(choice.token_ids) == len(choice.logprobs.content)
+    for stream_options in ({"include_usage": True},):
+        chunks = list(chat(client, "spec", stop=["journey"], stream=True, stream_options=stream_options))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+        assert chunks[-1].usage.completion_tokens == spec.usage.completion_tokens

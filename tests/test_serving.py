@@ -343,3 +343,47 @@ def test_with_n_the_prompt_is_scored_once(scoring_engine, client):
         for c in e["choices"]:
             firsts.setdefault(c["index"], c)
     assert [firsts[i]["logprobs"]["token_logprobs"][:2] for i in range(3)] == [[None, -1.25]] * 3
+
+
+# --- several tokens in one engine step (speculative decoding) -----------------------------------
+
+
+def choice(stops, include=False):
+    from router.detokenizer import IncrementalDetokenizer
+    from router.serving import Choice
+    from router.stops import StopChecker
+
+    return Choice(0, 0, IncrementalDetokenizer(tok, []), StopChecker(stops, include))
+
+
+@pytest.mark.parametrize(
+    "stops, include, text, kept",
+    [
+        # tokens: "ab" "c" "X" "Y" "d" "e" "f"
+        (["XY"], False, "abc", 4),  # "Y" completes the stop string: "def" is not part of the answer
+        (["XY"], True, "abcXY", 4),
+        (["QQ"], False, "abcXYdef", 7),  # no stop string inside: every token
+        ([], False, "abcXYdef", 7),
+    ],
+)
+def test_a_multi_token_step_ends_at_the_token_completing_a_stop_string(stops, include, text, kept):
+    ids = tok.encode("abcXYdef", add_special_tokens=False)
+    logprobs = [TokenLogprobs(-0.1 * i, []) for i in range(len(ids))]
+    whole = choice(stops, include)
+    whole.absorb(EngineStep(ids, logprobs, None, None))
+    one_by_one = choice(stops, include)
+    for token, lp in zip(ids, logprobs):
+        one_by_one.absorb(EngineStep([token], [lp], None, None))
+        if one_by_one.finished:
+            break
+    assert whole.token_ids == one_by_one.token_ids == ids[:kept]
+    assert [t for t, _ in whole.logprobs] == ids[:kept] and whole.logprobs == one_by_one.logprobs
+    assert whole.text == one_by_one.text == text
+    assert whole.finish_reason == ("stop" if kept < len(ids) else None)
+
+
+def test_a_multi_token_step_with_a_stop_token_and_a_stop_string():
+    ids = tok.encode("abcXYd", add_special_tokens=False) + [EOS]
+    c = choice(["XY"])
+    assert c.absorb(EngineStep(ids, None, "stop", EOS))[0] == "abc"
+    assert c.token_ids == ids[:4] and (c.finish_reason, c.stop_reason) == ("stop", "XY")

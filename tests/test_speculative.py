@@ -15,7 +15,7 @@ from backends.torch.kv_cache import BlockPool
 from backends.torch.scheduler import Scheduled, Scheduler, StepRows
 from backends.torch.sequence import Sequence
 from backends.torch.setup import speculative_options
-from backends.torch.speculative import NgramOptions, NgramProposer, accepted_count, rewind
+from backends.torch.speculative import NgramOptions, NgramProposer, accepted_count, rewind, token_array
 from router.engine import EngineRequest, SamplingParams
 
 BS = 4
@@ -105,6 +105,15 @@ def test_disable_by_batch_size():
     p = proposer(by_batch=4)
     assert p.active(3) and not p.active(4)
     assert proposer().active(1000)
+
+
+def test_token_array_follows_the_tokens_appended():
+    s = decoding_seq([1, 2, 3])
+    assert token_array(s).tolist() == [1, 2, 3]
+    for t in range(100):  # past the first buffer's 64
+        s.tokens.append(t)
+        assert token_array(s).tolist() == s.tokens
+    assert proposer().propose(token_array(s), 3) == proposer().propose(s.tokens, 3)
 
 
 # --- acceptance ---------------------------------------------------------------------------
@@ -265,6 +274,39 @@ def test_drafts_take_only_free_memory_and_never_preempt():
     assert not step.preempted and sched.pool.num_free == 0
     # a's draft takes the free block (positions 8 and 9); b's own second block ends at 7.
     assert [(w.seq, w.draft) for w in step.work] == [(a, [6, 7, 8]), (b, [2])]
+
+
+def test_every_sequence_gets_its_own_token_before_any_draft():
+    # Memory: b's own token needs a new block, and the only free one must not go to a's draft.
+    sched = scheduler(blocks=5)
+    a, b = decoding_seq([5, 6, 7, 8, 9, 1]), decoding_seq([3, 5, 2, 8, 1, 9, 4, 0])
+    admit_and_prefill(sched, [a, b])  # a: 7 tokens in 2 blocks; b: 9 tokens, 8 computed, 2 blocks
+    step = sched.schedule()
+    assert not step.preempted
+    # a keeps to its own last block; b drafts into the block its own token took.
+    assert {w.seq.id: w.draft for w in step.work} == {a.id: [6], b.id: [2, 8, 1]}
+    # Budget: eight sequences, twelve rows: each its token first, drafts from the four left.
+    sched = scheduler(budget=200, k=4)
+    seqs = [decoding_seq([5, 6, 7, 8, 9, 1, 2, 3]) for _ in range(8)]
+    admit_and_prefill(sched, seqs)  # 9 tokens each: a fresh block each for the next
+    sched.max_batched_tokens = 12
+    step = sched.schedule()
+    assert sorted(w.seq.id for w in step.work) == sorted(s.id for s in seqs)
+    assert [(w.seq, len(w.draft)) for w in step.work if w.draft] == [(seqs[0], 4)]  # the most important one
+
+
+def test_drafts_take_fresh_blocks_only_never_cached_ones():
+    sched = scheduler(blocks=4)
+    s = decoding_seq([5, 6, 7, 8, 9, 1])
+    admit_and_prefill(sched, [s])  # 7 tokens in 2 blocks, 2 blocks fresh
+    cached = sched.pool.allocate(), sched.pool.allocate()
+    for i, block in enumerate(cached):
+        sched.pool.register(block, 1000 + i)
+        sched.pool.release(block)  # free, but holding a cached prefix
+    assert sched.pool.num_free == 2 and sched.pool.num_fresh == 0
+    (w,) = sched.schedule().work
+    assert w.draft == [6]  # what fits in its own last block
+    assert sched.pool.lookup(1000) is not None and sched.pool.lookup(1001) is not None
 
 
 def test_no_drafts_under_a_grammar_or_a_large_batch():

@@ -97,8 +97,11 @@ def test_sampling_penalties_and_logprobs_are_unchanged(pair, fields):
     base, spec = pair
     copy = ids_of(base, COPY)
     want, want_lp, _ = run(collect(base, copy, 30, **fields))
+    before = spec.stats()
     got, got_lp, _ = run(collect(spec, copy, 30, **fields))
     assert got == want
+    if "repetition_penalty" not in fields:  # penalized, the answer does not copy: nothing to draft
+        assert spec.stats()["spec_drafts"] > before["spec_drafts"]
     assert len(got_lp) == len(want_lp)
     for a, b in zip(got_lp, want_lp):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
@@ -121,6 +124,33 @@ def test_each_drafted_row_samples_as_if_the_draft_before_it_were_generated(pair)
     assert [r.output_ids for r in rows] == [[4, 5], [4, 5, 6], [4, 5, 6, 7]]
     assert [42 in r.suppress for r in rows] == [True, False, False]
     assert all(r.prompt_ids == [1, 2, 3] for r in rows)
+
+
+def test_seeded_sampling_is_its_seeds_where_drafts_were_cut_short(pair):
+    base, spec = pair
+    copy = ids_of(base, COPY)
+    rejected = 0
+    for seed in range(6):
+        before = spec.stats()
+        got = run(collect(spec, copy, 24, temperature=1.0, seed=seed))
+        after = spec.stats()
+        rejected += (after["spec_draft_tokens"] - before["spec_draft_tokens"]) - (
+            after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        )
+        assert got == run(collect(base, copy, 24, temperature=1.0, seed=seed))
+    assert rejected > 0  # the generators were rewound over rejected rows
+
+
+def test_blocks_written_by_drafted_steps_serve_later_prompts(pair):
+    """A prompt that repeats an earlier request's prompt and output reuses the blocks its drafted
+    steps wrote (rejected rows' keys and values must never have reached a cached block)."""
+    base, spec = pair
+    copy = ids_of(base, COPY)
+    first, _ = run(generate(spec, copy, 40))
+    follow = copy + first[:36]  # whole blocks of prompt and output, then a token to compute
+    want, _ = run(generate(base, follow, 16))
+    got, cached = run(generate(spec, follow, 16))
+    assert cached >= len(copy) + 16 and got == want
 
 
 def test_stop_tokens_min_tokens_and_max_tokens_inside_a_draft(pair):

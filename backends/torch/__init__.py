@@ -36,8 +36,9 @@ class SpeculativeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's ``--speculative-config`` for its draft-free method: ``ngram`` drafts up to
     ``num_speculative_tokens`` tokens that followed an earlier occurrence of the sequence's last
     ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens (the longest found; both default to the
-    other, or to 5), and each step verifies them. Output is unchanged; it pays when the output
-    repeats the prompt or itself (quoting, editing, extraction). ``disable_by_batch_size``: no
+    other, or to 5), and each step verifies them. The output is the same as without (up to
+    floating-point rounding); it pays when the output repeats the prompt or itself (quoting,
+    editing, extraction), at small batches (docs/benchmarks.md). ``disable_by_batch_size``: no
     drafts while that many sequences run."""
 
     method: Literal["ngram"]

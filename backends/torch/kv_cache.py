@@ -41,6 +41,11 @@ class BlockPool:
         return len(self._fresh) + len(self._evictable)
 
     @property
+    def num_fresh(self) -> int:
+        """Free blocks holding nothing the prefix cache keeps (allocated before cached ones)."""
+        return len(self._fresh)
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 

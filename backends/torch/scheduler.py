@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .kv_cache import BlockPool
 from .sequence import Sequence, Status
-from .speculative import NgramProposer
+from .speculative import NgramProposer, token_array
 
 SCORED_ROWS = 256
 """At most this many prompt rows per step score the next prompt token (prompt logprobs): each
@@ -77,13 +77,13 @@ class StepRows:
         for j, w in enumerate(work):
             seq, start = w.seq, w.seq.num_computed
             table = seq.block_table
-            tokens = seq.tokens + w.draft if w.draft else seq.tokens
+            known = len(seq.tokens)  # positions from here on are the draft's
             scoring = seq.scoring(w.num_new)
             for p in range(start, start + w.num_new):
                 if p in scoring:
                     rows.scored.append((len(rows.out_rows), j, p))
                     rows.out_rows.append(len(rows.ids))
-                rows.ids.append(tokens[p])
+                rows.ids.append(seq.tokens[p] if p < known else w.draft[p - known])
                 rows.positions.append(p)
                 rows.slots.append(table[p // block_size] * block_size + p % block_size)
                 rows.lengths.append(p + 1)
@@ -151,23 +151,19 @@ class Scheduler:
         self._scoring = self.scored_rows  # rows left this step that may score a prompt
         scheduled: set[int] = set()
         self.running.sort(key=lambda s: s.order)
-        drafting = self.proposer is not None and self.proposer.active(len(self.running))
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk(seq, budget)
-            draft = self._draft(seq, budget) if drafting and num_new == 1 else []
             if num_new:
-                # Drafted tokens take only the room there is: never a preemption for them.
-                num_new = self._fit(seq, num_new + len(draft), scheduled, step)
-                del draft[max(num_new - 1, 0) :]
+                num_new = self._fit(seq, num_new, scheduled, step)
             if not num_new:
                 continue  # it was preempted itself, or has no scoring rows left this step
             self._scoring -= len(seq.scoring(num_new))
             seq.grow(self.pool, num_new)
-            step.work.append(Scheduled(seq, num_new, draft))
+            step.work.append(Scheduled(seq, num_new))
             scheduled.add(seq.id)
             budget -= num_new
         while budget > 0 and self._waiting and len(self.running) < self.max_num_seqs:
@@ -179,18 +175,47 @@ class Scheduler:
                 break
             heapq.heappop(self._waiting)
             budget -= step.work[-1].num_new
+        if budget > 0 and self.proposer is not None and self.proposer.active(len(self.running)):
+            self._add_drafts(step, budget)
         # Decode rows first: the attention layout expects them at the front.
         step.work.sort(key=lambda w: not w.is_decode)
         return step
 
+    def _add_drafts(self, step: Step, budget: int) -> None:
+        """Speculative tokens for the step's decoding sequences, most important first, from what
+        every running sequence's own token and the admissions left: the rest of the budget, and
+        only fresh KV blocks, so a draft never delays, preempts or evicts anything (a cached
+        block given to a draft that the model then rejects would be lost for nothing)."""
+        fresh = self.pool.num_fresh
+        bs = self.pool.block_size
+        for w in step.work:
+            if budget <= 0:
+                break
+            if not w.is_decode:
+                continue
+            seq = w.seq
+            draft = self._draft(seq, budget)
+            # Room in its last block after its own token, then in the fresh blocks.
+            room = len(seq.block_table) * bs - (seq.num_computed + 1) + fresh * bs
+            del draft[max(room, 0) :]
+            if not draft:
+                continue
+            blocks = seq.blocks_needed(1 + len(draft))
+            seq.grow(self.pool, 1 + len(draft))
+            fresh -= blocks
+            budget -= len(draft)
+            w.num_new += len(draft)
+            w.draft = draft
+
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """Tokens to verify after a decoding sequence's last one, within the step's budget and the
-        request's ``max_tokens``; none under a grammar (it would have to advance through them)."""
+        """Tokens to verify after a decoding sequence's last one, up to ``budget`` of them and
+        within the request's ``max_tokens``; none under a grammar (it would have to advance
+        through them)."""
         req = seq.request
-        if req.constraint is not None or len(seq.tokens) - seq.num_computed != 1:
+        if req.constraint is not None:
             return []
-        limit = min(budget - 1, req.max_tokens - seq.num_output - 1, self.proposer.size_for(seq))
-        return self.proposer.propose(seq.tokens, limit)
+        limit = min(budget, req.max_tokens - seq.num_output - 1, self.proposer.size_for(seq))
+        return self.proposer.propose(token_array(seq), limit)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens ``seq`` would compute this step: what is left of it, within the budget,

@@ -48,6 +48,8 @@ class Sequence:
         self.aborted = False
         self.sampling_state: Any = None  # owned by the runner (random generator)
         self.draft_size: int | None = None  # speculative decoding: this sequence's draft length
+        self.token_buffer: Any = None  # speculative decoding: ``tokens`` as an array (token_array)
+        self.token_count = 0  # how many of ``tokens`` the buffer holds
         self.loop: Any = None  # the event loop whose request this is
         self.order = (request.priority, request.arrival, self.id)
         # Prompt logprobs, when asked: entry p scores prompt token p + 1 (from position p's logits).

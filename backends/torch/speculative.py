@@ -8,10 +8,10 @@ given the draft's first ``i`` tokens. The tokens sampled are kept up to and incl
 that differs from the draft, so a step yields between one token (the draft's first token was
 wrong) and ``len(draft) + 1`` (all right, plus the one after).
 
-This needs no draft model and changes no output: each kept token was sampled from the
-distribution of the prefix it follows, which is the prefix the sequence really has (rejection
-sampling with a one-hot draft accepts with the same probability and resamples from the same
-residual). A seeded sequence's generator is rewound to one draw per kept token
+This needs no draft model and changes no output (up to floating-point rounding: drafted rows
+are computed as a chunk): each kept token was sampled from the distribution of the prefix it
+follows, which is the prefix the sequence really has (rejection sampling with a one-hot draft
+accepts with the same probability and resamples from the same residual). A seeded sequence's generator is rewound to one draw per kept token
 (:func:`rewind`), so its output stays that of its seed whatever was drafted. Drafted rows cost
 compute: on a 2-core CPU the one C call of an int4 SmolLM2 step takes ~6.6 ms for one row and
 ~10.5 ms for four (``bench/decode_step.py``), so a draft pays when most of it is right, as when
@@ -63,7 +63,7 @@ class NgramProposer:
         limit = self.options.disable_by_batch_size
         return limit is None or running < limit
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def propose(self, tokens: list[int] | np.ndarray, limit: int) -> list[int]:
         """Up to ``min(num_tokens, limit)`` tokens that followed the most recent earlier
         occurrence of the longest n-gram ending ``tokens``; [] when none occurred."""
         k = min(self.options.num_tokens, limit)
@@ -103,6 +103,22 @@ class NgramProposer:
         self.accepted_tokens += accepted
         size = self.size_for(seq)
         seq.draft_size = min(self.options.num_tokens, size + 2) if accepted == drafted else max(1, size - 1)
+
+
+def token_array(seq: Sequence) -> np.ndarray:
+    """``seq.tokens`` as an int64 array, kept on the sequence and extended by the tokens added
+    since (tokens are only ever appended), so a step's drafts cost no copy of every context."""
+    buf, n = seq.token_buffer, len(seq.tokens)
+    if buf is None or len(buf) < n:
+        grown = np.empty(max(64, 2 * n), dtype=np.int64)
+        have = seq.token_count if buf is not None else 0
+        if have:
+            grown[:have] = buf[:have]
+        buf = seq.token_buffer = grown
+    if seq.token_count < n:
+        buf[seq.token_count : n] = seq.tokens[seq.token_count :]
+        seq.token_count = n
+    return buf[:n]
 
 
 def accepted_count(sampled: list[int], draft: list[int]) -> int:

@@ -130,7 +130,7 @@ class ModelRunner:
             j: w.seq.sampling_state.get_state()
             for j, w in enumerate(sampling)
             if w.draft and w.seq.sampling_state is not None and not w.seq.request.sampling.greedy
-        }
+        } if self.proposer is not None else {}
         tokens, logprobs = self.sampler.sample(logits, rows)
         if not states and len(rows) == len(sampling):
             return [Sampled(w, [t], [lp]) for w, t, lp in zip(sampling, tokens, logprobs)]

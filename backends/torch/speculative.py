@@ -11,11 +11,12 @@ wrong) and ``len(draft) + 1`` (all right, plus the one after).
 This needs no draft model and changes no output (up to floating-point rounding: drafted rows
 are computed as a chunk): each kept token was sampled from the distribution of the prefix it
 follows, which is the prefix the sequence really has (rejection sampling with a one-hot draft
-accepts with the same probability and resamples from the same residual). A seeded sequence's generator is rewound to one draw per kept token
-(:func:`rewind`), so its output stays that of its seed whatever was drafted. Drafted rows cost
-compute: on a 2-core CPU the one C call of an int4 SmolLM2 step takes ~6.6 ms for one row and
-~10.5 ms for four (``bench/decode_step.py``), so a draft pays when most of it is right, as when
-the output quotes or edits its input.
+accepts with the same probability and resamples from the same residual). A seeded sequence's
+generator is rewound to one draw per kept token (:func:`rewind`), so its output stays that of
+its seed whatever was drafted. Drafted rows cost compute: on a 2-core CPU the one C call of an
+int4 SmolLM2 step takes ~6.6 ms for one row and ~10.5 ms for four (``bench/decode_step.py``),
+so a draft pays when most of it is right, as when the output quotes or edits its input, and
+at small batches (docs/benchmarks.md).
 
 Sequences under a grammar (structured outputs, tools) are not drafted: the grammar would have to
 advance through the draft and back.

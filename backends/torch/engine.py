@@ -188,7 +188,7 @@ class TorchEngine:
                 decode_graphs.capture_all()
         self.runner = ModelRunner(
             self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids,
-            decoder=decoder, graphs=decode_graphs, adapters=self.adapters, proposer=self.proposer,
+            decoder=decoder, graphs=decode_graphs, adapters=self.adapters,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -387,7 +387,8 @@ class TorchEngine:
                 finish, stop_token = finish_reason(req, token, seq.num_output, len(seq.tokens), self.max_model_len, self.tokenizer.eos_token_ids)
                 if finish is not None:
                     break
-            if s.work.draft:
+            if s.work.draft:  # the draft tokens the model agreed with, before any end among them
+                self.proposer.record(seq, len(s.work.draft), len(s.tokens) - 1)
                 seq.trim(self.pool)  # blocks that held only rejected rows
             step_out = EngineStep(
                 s.tokens[:kept],

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from .cpu_decode import CpuDecoder
     from .graphs import DecodeGraphs
     from .lora import Adapters
-    from .speculative import NgramProposer
 
 
 @dataclass(slots=True)
@@ -46,10 +45,8 @@ class ModelRunner:
         decoder: CpuDecoder | None = None,
         graphs: DecodeGraphs | None = None,
         adapters: Adapters | None = None,
-        proposer: NgramProposer | None = None,
     ) -> None:
         self.model = model
-        self.proposer = proposer  # counts drafted and kept tokens (the scheduler drafts)
         self.decoder = decoder  # the packed formats' one C call for steps that decode or compute short prompts
         self.graphs = graphs  # decode-only steps on static buffers (CUDA graphs)
         self.adapters = adapters  # LoRA: which rows of a step use which adapter (lora.py)
@@ -130,7 +127,7 @@ class ModelRunner:
             j: w.seq.sampling_state.get_state()
             for j, w in enumerate(sampling)
             if w.draft and w.seq.sampling_state is not None and not w.seq.request.sampling.greedy
-        } if self.proposer is not None else {}
+        }
         tokens, logprobs = self.sampler.sample(logits, rows)
         if not states and len(rows) == len(sampling):
             return [Sampled(w, [t], [lp]) for w, t, lp in zip(sampling, tokens, logprobs)]
@@ -140,7 +137,6 @@ class ModelRunner:
             kept = accepted_count(tokens[at : at + n], w.draft) if w.draft else 1
             if w.draft:
                 w.seq.num_computed -= n - kept  # rejected rows' keys and values are overwritten later
-                self.proposer.record(w.seq, n - 1, kept - 1)
                 if j in states and kept < n:
                     rewind(w.seq.sampling_state, states[j], kept)
             out.append(Sampled(w, tokens[at : at + kept], logprobs[at : at + kept]))

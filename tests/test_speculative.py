@@ -25,8 +25,9 @@ def proposer(k=3, min_n=1, max_n=3, by_batch=None) -> NgramProposer:
     return NgramProposer(NgramOptions(k, min_n, max_n, by_batch))
 
 
-def reference(tokens, k, min_n, max_n, limit=99):
-    """The definition, by brute force: longest n first, the most recent earlier occurrence."""
+def reference(tokens, k, min_n, max_n, limit=99, before=None):
+    """The definition, by brute force: longest n first, the most recent earlier occurrence
+    (with ``before``: the most recent that ends before that position)."""
     k = min(k, limit)
     if k < 1:
         return []
@@ -35,7 +36,7 @@ def reference(tokens, k, min_n, max_n, limit=99):
             continue
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
+            if tokens[start : start + n] == suffix and (before is None or start + n <= before):
                 return tokens[start + n : start + n + k]
     return []
 
@@ -90,8 +91,16 @@ def test_drafts_equal_the_brute_force_definition_on_random_sequences():
         k, min_n = rng.randrange(1, 6), rng.randrange(1, 4)
         max_n = min_n + rng.randrange(0, 4)
         limit = rng.randrange(0, 8)
-        got = proposer(k, min_n, max_n).propose(tokens, limit)
-        assert got == reference(tokens, k, min_n, max_n, limit), (trial, tokens, k, min_n, max_n, limit)
+        before = rng.choice([None, rng.randrange(0, len(tokens) + 1)])
+        got = proposer(k, min_n, max_n).propose(tokens, limit, before=before)
+        assert got == reference(tokens, k, min_n, max_n, limit, before), (trial, tokens, k, min_n, max_n, limit, before)
+
+
+def test_a_lookup_confined_to_the_prompt():
+    tokens = [1, 2, 3, 9, 1, 2, 4, 7, 1, 2]  # a prompt of 4, then [1, 2] again in the output
+    assert proposer().propose(tokens, 10) == [4, 7, 1]
+    assert proposer().propose(tokens, 10, before=4) == [3, 9, 1]
+    assert proposer().propose(tokens, 10, before=1) == []  # [2] must end inside the prompt too
 
 
 def test_bad_options_are_refused():
@@ -207,7 +216,19 @@ def test_bad_configs_name_their_field(fields, message):
 
 
 class Grammar:
-    """Stands for a structured-outputs constraint: the scheduler only needs to see one."""
+    """Stands for a structured-outputs constraint: the tokens it forces from here, and how many
+    of a draft it would take (``accepting``; None: all of it)."""
+
+    def __init__(self, forced=(), accepting=None) -> None:
+        self._forced, self.accepting = list(forced), accepting
+        self.checked: list[list[int]] = []
+
+    def forced(self) -> list[int]:
+        return list(self._forced)
+
+    def accepts(self, tokens: list[int]) -> int:
+        self.checked.append(list(tokens))
+        return len(tokens) if self.accepting is None else min(self.accepting, len(tokens))
 
 
 def decoding_seq(tokens, max_tokens=50, constraint=None) -> Sequence:
@@ -309,11 +330,36 @@ def test_drafts_take_fresh_blocks_only_never_cached_ones():
     assert sched.pool.lookup(1000) is not None and sched.pool.lookup(1001) is not None
 
 
-def test_no_drafts_under_a_grammar_or_a_large_batch():
+def test_under_a_grammar_forced_tokens_first_and_drafts_cut_where_it_refuses():
     sched = scheduler()
     s = decoding_seq([5, 6, 7, 8, 9], constraint=Grammar())
     admit_and_prefill(sched, [s])
-    assert sched.schedule().work[0].draft == []
+    assert sched.schedule().work[0].draft == [6, 7, 8]  # nothing forced: the n-gram draft, from the prompt
+    sched = scheduler()
+    s = decoding_seq([1, 2, 3, 9, 8], constraint=Grammar())
+    admit_and_prefill(sched, [s], first_token=1)
+    s.tokens += [2, 4, 7, 1, 2]  # as if generated: [1, 2] now last occurred in the output
+    s.num_computed += 5
+    s.grow(sched.pool, 0)
+    assert sched.schedule().work[0].draft == [3, 9, 8]  # what followed it in the prompt
+    sched = scheduler()
+    g = Grammar(accepting=1)
+    s = decoding_seq([5, 6, 7, 8, 9], constraint=g)
+    admit_and_prefill(sched, [s])
+    assert sched.schedule().work[0].draft == [6]  # the grammar refuses 7: the model could not sample it
+    assert g.checked == [[6, 7, 8]]
+    sched = scheduler()
+    s = decoding_seq([5, 6, 7, 8, 9], constraint=Grammar(forced=[40, 41, 42, 43, 44]))
+    admit_and_prefill(sched, [s])
+    (w,) = sched.schedule().work
+    assert w.draft == [40, 41, 42] and w.num_new == 4  # forced tokens, within num_speculative_tokens
+    sched = scheduler()
+    s = decoding_seq([5, 6, 7, 8, 9], max_tokens=3, constraint=Grammar(forced=[40, 41, 42]))
+    admit_and_prefill(sched, [s])
+    assert sched.schedule().work[0].draft == [40]  # and within max_tokens
+
+
+def test_no_drafts_under_a_large_batch():
     sched = scheduler(by_batch=2)
     a, b = decoding_seq([5, 6, 7, 8, 9]), decoding_seq([5, 6, 7, 8, 9])
     admit_and_prefill(sched, [a, b])

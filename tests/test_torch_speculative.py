@@ -4,8 +4,8 @@ it, token for token, whatever the sampling settings, the weight format or the ba
 from __future__ import annotations
 
 import asyncio
+import json
 
-import numpy as np
 import pytest
 
 from backends.torch import SpeculativeConfig
@@ -175,31 +175,62 @@ def test_eos_ends_as_without_drafts(pair):
     assert run(collect(spec, copy, 120, ignore_eos=False)) == want
 
 
-class AllowEverything:
-    """A grammar that allows every token: output as without one, and no drafts under it."""
-
-    done = False
-
-    def __init__(self, vocab: int) -> None:
-        self.mask = np.ones(vocab, dtype=bool)
-        self.advanced = 0
-
-    def allowed(self) -> np.ndarray:
-        return self.mask
-
-    def advance(self, token: int) -> None:
-        self.advanced += 1
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "city", "age"],
+    "additionalProperties": False,
+}
+EXTRACT = (
+    "<|im_start|>user\nExtract the person's name, city and age as JSON: Alice Smith is 42 years old "
+    "and lives in Paris.<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
-def test_sequences_under_a_grammar_are_not_drafted(pair):
+def grammar(engine, kind="json", value=PERSON):
+    """A sequence's own matcher for ``value`` (what the structured-outputs plugin gives a request)."""
+    from router.constraints import ConstraintSpec, GrammarCompiler
+
+    if not hasattr(engine, "_test_grammars"):
+        engine._test_grammars = GrammarCompiler(engine.tokenizer)
+    return engine._test_grammars.constraint(ConstraintSpec(kind, value, "structured_outputs"))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"temperature": 0.0}, {"temperature": 1.0, "seed": 11}, {"temperature": 0.7, "top_k": 20, "seed": 4, "logprobs": 2}],
+)
+def test_sequences_under_a_grammar_are_drafted_with_the_same_output(pair, fields):
+    """The grammar's forced tokens (keys, quotes) and n-gram drafts of the values (copied from
+    the prompt) are verified under the grammar's mask at each row: the output is the output
+    without drafts, and the grammar ends it."""
     base, spec = pair
-    copy = ids_of(base, COPY)
-    want, _ = run(generate(base, copy, 20))
-    drafts = spec.stats()["spec_drafts"]
-    grammar = AllowEverything(spec.tokenizer.vocab_size)
-    got, _, _ = run(collect(spec, copy, 20, constraint=grammar))
-    assert got == want and grammar.advanced == 20
-    assert spec.stats()["spec_drafts"] == drafts
+    prompt = ids_of(base, EXTRACT)
+    want = run(collect(base, prompt, 60, constraint=grammar(base), **fields))
+    before = spec.stats()
+    got = run(collect(spec, prompt, 60, constraint=grammar(spec), **fields))
+    after = spec.stats()
+    assert got[0] == want[0] and got[2] == want[2] == "stop"
+    assert len(got[1]) == len(want[1])
+    for a, b in zip(got[1], want[1]):  # the masked distribution at each row
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert set(json.loads(spec.tokenizer.decode(got[0]))) == {"name", "city", "age"}
+    kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert kept >= len(got[0]) // 3  # keys, quotes and copied values came in drafts
+    assert after["spec_drafts"] - before["spec_drafts"] < len(got[0])
+
+
+def test_a_grammar_that_ends_inside_a_draft(pair):
+    """A choice whose rest is forced: the grammar completes inside the draft and ends the sequence
+    there, as without drafts."""
+    base, spec = pair
+    prompt = ids_of(base, EXTRACT)
+    options = ["Alice Smith lives in Paris", "Bob Jones lives in London"]
+    want = run(collect(base, prompt, 30, constraint=grammar(base, "choice", options)))
+    got = run(collect(spec, prompt, 30, constraint=grammar(spec, "choice", options)))
+    assert got == want and want[2] == "stop"
+    assert spec.tokenizer.decode(got[0]) in options
 
 
 def test_preemption_under_a_tiny_kv_budget_with_drafts(pair):

@@ -171,11 +171,11 @@ class ModelRunner:
         params = req.sampling
         if params.seed is not None and seq.sampling_state is None:
             seq.sampling_state = torch.Generator(device=self.device).manual_seed(params.seed % (2**63))
-        allowed = None
-        if req.constraint is not None:  # never drafted (scheduler._draft)
-            allowed = torch.from_numpy(req.constraint.allowed())
+        allowed = [None] * (len(w.draft) + 1)
+        if req.constraint is not None:  # the grammar's mask at each row (the draft is one it accepts)
+            allowed = [torch.from_numpy(mask) for mask in req.constraint.allowed_along(w.draft)]
         elif params.allowed_token_ids is not None:
-            allowed = self._allowed_mask(params.allowed_token_ids)
+            allowed = [self._allowed_mask(params.allowed_token_ids)] * len(allowed)
         output, prompt = seq.output_ids, seq.prompt_ids
         rows = []
         for i in range(len(w.draft) + 1):
@@ -189,7 +189,7 @@ class ModelRunner:
                     output_ids=output + w.draft[:i] if i else output,
                     prompt_ids=prompt,
                     suppress=suppress,
-                    allowed=allowed,
+                    allowed=allowed[i],
                 )
             )
         return rows

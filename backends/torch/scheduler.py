@@ -209,13 +209,22 @@ class Scheduler:
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Tokens to verify after a decoding sequence's last one, up to ``budget`` of them and
-        within the request's ``max_tokens``; none under a grammar (it would have to advance
-        through them)."""
+        within the request's ``max_tokens``. Under a grammar: the tokens it forces if any (they
+        need no lookup), else an n-gram draft from the prompt only, cut where the grammar would
+        refuse it (the model could not sample the refused token). The output's own repeats are
+        the grammar's syntax, which it forces anyway; a match there mostly follows ``": "`` to
+        the previous field's value (bench/speculative.py ``extract``: 55% of the drafted tokens
+        kept with such matches, 77% without)."""
         req = seq.request
-        if req.constraint is not None:
-            return []
         limit = min(budget, req.max_tokens - seq.num_output - 1, self.proposer.size_for(seq))
-        return self.proposer.propose(token_array(seq), limit)
+        if limit < 1:
+            return []
+        constraint = req.constraint
+        if constraint is None:
+            return self.proposer.propose(token_array(seq), limit)
+        draft = constraint.forced()[:limit] or self.proposer.propose(token_array(seq), limit, before=seq.num_prompt)
+        del draft[constraint.accepts(draft) :]
+        return draft
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens ``seq`` would compute this step: what is left of it, within the budget,

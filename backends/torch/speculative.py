@@ -18,8 +18,11 @@ int4 SmolLM2 step takes ~6.6 ms for one row and ~10.5 ms for four (``bench/decod
 so a draft pays when most of it is right, as when the output quotes or edits its input, and
 at small batches (docs/benchmarks.md).
 
-Sequences under a grammar (structured outputs, tools) are not drafted: the grammar would have to
-advance through the draft and back.
+Under a grammar (structured outputs, tools) the draft is the tokens the grammar forces, when it
+forces any (a JSON schema's next key with its quotes), else an n-gram draft looked up in the
+prompt only, cut where the grammar would refuse it; each row samples under the grammar's mask
+after the draft tokens before it (``TokenConstraint.allowed_along``), and the grammar advances
+only through the kept tokens.
 """
 
 from __future__ import annotations
@@ -64,9 +67,10 @@ class NgramProposer:
         limit = self.options.disable_by_batch_size
         return limit is None or running < limit
 
-    def propose(self, tokens: list[int] | np.ndarray, limit: int) -> list[int]:
+    def propose(self, tokens: list[int] | np.ndarray, limit: int, before: int | None = None) -> list[int]:
         """Up to ``min(num_tokens, limit)`` tokens that followed the most recent earlier
-        occurrence of the longest n-gram ending ``tokens``; [] when none occurred."""
+        occurrence of the longest n-gram ending ``tokens``; [] when none occurred. With
+        ``before``, only occurrences that end before that position count (the prompt's)."""
         k = min(self.options.num_tokens, limit)
         n_min, n_max = self.options.min_n, self.options.max_n
         if k < 1 or len(tokens) <= n_min:
@@ -74,6 +78,8 @@ class NgramProposer:
         arr = np.asarray(tokens, dtype=np.int64)
         # Candidates: where the last token occurred before (cheap), then the longest n among them.
         ends = np.flatnonzero(arr[:-1] == arr[-1])  # i: tokens[i] == tokens[-1], i < len - 1
+        if before is not None:
+            ends = ends[ends < before]
         if ends.size == 0:
             return []
         for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):

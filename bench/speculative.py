@@ -3,14 +3,17 @@ drafting off, with drafts of a fixed size and with adaptive sizes (the engine's 
 alternating, on one engine (built with ``speculative_config``; "off" takes its proposer away
 between runs).
 
-Three workloads on the bundled SmolLM2 (chat template applied):
+Workloads on the bundled SmolLM2 (chat template applied):
 
 * ``copy``: the output quotes the prompt (repeat a paragraph, or correct its spelling), the work
   prompt lookup is for;
 * ``open``: open-ended answers (a story, a list, code), where fewer drafts hold and they
   cost more;
 * ``extract``: structured outputs, fields of a short text as JSON under a JSON schema: the
-  grammar forces the keys and quotes (drafted as they are) and the values quote the text.
+  grammar forces the keys and quotes (drafted as they are) and the values quote the text;
+* ``predict`` (not run by default): ``copy``'s requests with a prediction (OpenAI's Predicted
+  Outputs), the paragraph as the user has it; with ``--no-lookup`` the drafts come from the
+  prediction only, as on an engine without ``speculative_config``.
 
 ``--streams`` requests at once, ``--max-tokens`` new tokens at most (EOS ends a request; both
 ways generate the same tokens, so the ratio of their wall times is that of tokens/s). The
@@ -20,6 +23,7 @@ the tokens per verifying step.
 
     .venv/bin/python bench/speculative.py                          # int4, 1 and 8 streams
     .venv/bin/python bench/speculative.py --workloads extract --streams 1,8,32
+    .venv/bin/python bench/speculative.py --workloads predict --no-lookup --streams 1,8,32
     .venv/bin/python bench/speculative.py --streams 1,8,32 --num-speculative-tokens 2
 """
 
@@ -84,15 +88,16 @@ CONTACT = {
 }
 
 
-def copy_prompts() -> list[str]:
+def copy_prompts() -> list[tuple[str, str]]:
+    """(prompt, the paragraph as the user has it: the prediction of the ``predict`` workload)."""
     out = []
     for i, text in enumerate(PARAGRAPHS):
         if i % 2:
             for right, wrong in TYPOS.items():
                 text = text.replace(right, wrong)
-            out.append(f"Correct the spelling mistakes in this text and write it out in full:\n\n{text}")
+            out.append((f"Correct the spelling mistakes in this text and write it out in full:\n\n{text}", text))
         else:
-            out.append(f"Repeat this text exactly:\n\n{text}")
+            out.append((f"Repeat this text exactly:\n\n{text}", text))
     return out
 
 
@@ -105,7 +110,10 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3, help="runs of each way per level (default 3)")
-    ap.add_argument("--workloads", default="copy,open,extract", help="comma-separated (default all three)")
+    ap.add_argument("--workloads", default="copy,open,extract",
+                    help="comma-separated, of copy, open, extract, predict (default the first three)")
+    ap.add_argument("--no-lookup", action="store_true",
+                    help="no n-gram lookup: drafts only from predictions (an engine without speculative_config)")
     ap.add_argument("--grammar-lookup", default="prompt", choices=["prompt", "none", "all"],
                     help="under a grammar, after its forced tokens: n-gram drafts from the prompt (the "
                          "engine's way), none, or from prompt and output (as without a grammar)")
@@ -146,19 +154,24 @@ def main() -> None:
         return tokenizer.encode(prompt, add_special_tokens=False)
 
     extract = [f"Extract the contact's name, company, city, role and email as JSON:\n\n{d}" for d in DOCUMENTS]
+    # Each job: the prompt's ids and its prediction's (Predicted Outputs), or None.
     workloads = {
-        "copy": [chat_ids(t) for t in copy_prompts()],
-        "open": [chat_ids(t) for t in OPEN],
-        "extract": [chat_ids(t) for t in extract],
+        "copy": [(chat_ids(t), None) for t, _ in copy_prompts()],
+        "open": [(chat_ids(t), None) for t in OPEN],
+        "extract": [(chat_ids(t), None) for t in extract],
+        "predict": [(chat_ids(t), tokenizer.encode(text, add_special_tokens=False)) for t, text in copy_prompts()],
     }
     workloads = {name: workloads[name] for name in args.workloads.split(",")}
     grammars = GrammarCompiler(tokenizer)
     contact = ConstraintSpec("json", CONTACT, "structured_outputs")
+    proposer.lookup = not args.no_lookup
 
-    async def one(prompt: list[int], workload: str) -> int:
+    async def one(job: tuple[list[int], list[int] | None], workload: str) -> int:
+        prompt, prediction = job
         # The structured-outputs plugin gives each request its own matcher, as here.
         constraint = grammars.constraint(contact) if workload == "extract" else None
-        req = EngineRequest("b", prompt, SamplingParams(temperature=0.0), args.max_tokens, constraint=constraint)
+        req = EngineRequest("b", prompt, SamplingParams(temperature=0.0), args.max_tokens, constraint=constraint,
+                            prediction=prediction)
         count = 0
         async for step in engine.generate(req):
             count += len(step.token_ids)
@@ -178,7 +191,8 @@ def main() -> None:
 
     print(f"SmolLM2-135M {args.weight_format}, ngram k={args.num_speculative_tokens} "
           f"n={args.prompt_lookup_min}..{args.prompt_lookup_max}, greedy, <= {args.max_tokens} new tokens, "
-          f"median of {args.runs} alternating runs, grammar lookup: {args.grammar_lookup}")
+          f"median of {args.runs} alternating runs, grammar lookup: {args.grammar_lookup}"
+          f"{', no lookup: predictions only' if args.no_lookup else ''}")
     print("fixed: drafts of up to num_speculative_tokens; adaptive: each sequence's sized by its record")
     print(f"{'workload':>8} {'streams':>7} {'tokens':>7} {'base tok/s':>11} {'fixed/base':>11} {'adaptive/base':>14} "
           f"{'kept fixed':>11} {'kept adapt':>11} {'tok/verify f':>13} {'tok/verify a':>13}")

@@ -106,6 +106,10 @@ class EngineRequest:
     raw model logprobs, before any sampling setting. None: off."""
     adapter: str | None = None
     """The LoRA adapter to generate with (a name the engine serves); None: the base model."""
+    prediction: list[int] | None = None
+    """Token ids the output is expected to mostly repeat (capability "prediction", OpenAI's
+    Predicted Outputs): an engine that verifies drafts drafts from them; the output is what it
+    would be without."""
 
 
 @dataclass(slots=True)
@@ -128,6 +132,9 @@ class EngineStep:
     cached_tokens: int | None = None  # set on the first step: prompt tokens not recomputed
     prompt_logprobs: list[TokenLogprobs] | None = None
     """On the first step, when the request asked: one entry per prompt token after the first."""
+    prediction_tokens: tuple[int, int] | None = None
+    """On the last step of a request with a prediction: its tokens drafted and kept, and drafted
+    and refused (usage's ``accepted_prediction_tokens``, ``rejected_prediction_tokens``)."""
 
 
 def finish_reason(

@@ -51,6 +51,8 @@ class GenerationParams:
     parallel_tool_calls: bool = True
     constraint: Any = None
     """A :class:`router.constraints.ConstraintSpec` the output must match (structured outputs)."""
+    prediction: str | None = None
+    """OpenAI's Predicted Outputs: text the answer is expected to mostly repeat."""
     adapter: str | None = None
     """The LoRA adapter the request's model name stands for (see backend.AdapterModel); None:
     the base model."""

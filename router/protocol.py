@@ -242,11 +242,19 @@ class PromptTokensDetails(Struct):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(Struct):
+    """Predicted Outputs: the prediction's tokens the model kept and refused as drafts."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 class TopLogprob(Struct):

@@ -35,6 +35,7 @@ from .protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionTokensDetails,
     PromptLogprob,
     PromptLogprobs,
     Delta,
@@ -78,6 +79,7 @@ class Choice:
     stop_reason: int | str | None = None
     cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None  # the engine's TokenLogprobs of prompt tokens 1..P-1
+    prediction_tokens: tuple[int, int] = (0, 0)  # prediction tokens kept, refused (EngineStep)
     tools: Any = None  # a router.tools ToolParser when the request has tools
     content: list[str] = field(default_factory=list)
     """Everything sent as message content (text outside tool calls), in order."""
@@ -104,6 +106,8 @@ class Choice:
             self.cached_tokens = step.cached_tokens
         if step.prompt_logprobs is not None:
             self.prompt_logprobs = step.prompt_logprobs
+        if step.prediction_tokens is not None:
+            self.prediction_tokens = step.prediction_tokens
         text_ids = ids
         if step.finish_reason == "stop" and step.stop_token is not None:
             # A stop token ends the sequence without being shown (EOS is a control token and
@@ -162,10 +166,15 @@ class Generation:
     request_id: str
     constraints: list[Any] | None = None  # one TokenConstraint per choice
     choices: list[Choice] = field(default_factory=list)
+    prediction: list[int] | None = None  # the prediction's token ids (Predicted Outputs)
 
     def __post_init__(self) -> None:
         tok = self.backend.engine.tokenizer
         n = self.params.n
+        if self.params.prediction is not None:
+            # No answer outgrows the context, so no more of a prediction is ever drafted from.
+            ids = tok.encode(self.params.prediction, add_special_tokens=False, parse_special=False)
+            self.prediction = ids[: self.backend.engine.max_model_len]
         for p, prompt in enumerate(self.prompts):
             for i in range(n):
                 self.choices.append(
@@ -197,6 +206,7 @@ class Generation:
             adapter=params.adapter,
             # One choice per prompt scores it; the others read its scores (prompt_scores).
             prompt_logprobs=params.prompt_logprobs if self._leads(choice) else None,
+            prediction=self.prediction,
         )
 
     def _leads(self, choice: Choice) -> bool:
@@ -296,12 +306,18 @@ class Generation:
         completion = sum(len(c.token_ids) for c in self.choices)
         n = self.params.n
         cached = sum(self.choices[p * n].cached_tokens for p in range(len(self.prompts)))
-        return Usage(
+        usage = Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion,
             total_tokens=prompt_tokens + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
+        if self.prediction is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(
+                accepted_prediction_tokens=sum(c.prediction_tokens[0] for c in self.choices),
+                rejected_prediction_tokens=sum(c.prediction_tokens[1] for c in self.choices),
+            )
+        return usage
 
 
 async def _constraints(backend: "LocalBackend", params: GenerationParams, count: int) -> list[Any] | None:

@@ -25,3 +25,15 @@ def chat_text(events: list, index: int = 0) -> str:
         c["delta"].get("content") or ""
         for e in events for c in e.get("choices", []) if c["index"] == index
     )
+
+
+def sdk_stream(stream) -> tuple[str, object, int]:
+    """An openai SDK chat stream read to its end: the content, the usage chunk's usage (None
+    without one) and how many choice chunks carried it."""
+    text, usage, chunks = "", None, 0
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            chunks += 1
+            text += choice.delta.content or ""
+    return text, usage, chunks

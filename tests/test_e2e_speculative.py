@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from server import RouterProcess, torch_config
+from sse_util import sdk_stream
 from test_torch_speculative import TEXT
 
 SPEC = 'speculative_config = { method = "ngram", num_speculative_tokens = 4, prompt_lookup_min = 2, prompt_lookup_max = 4 }'
@@ -105,12 +106,7 @@ def test_structured_outputs_and_tool_calls_with_drafts(router, client):
     plain = chat(client, "plain", messages=messages, response_format=fmt)
     spec = chat(client, "spec", messages=messages, response_format=fmt, stream=True,
                 stream_options={"include_usage": True})
-    text, usage, chunks = "", None, 0
-    for chunk in spec:
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            chunks += 1
-            text += choice.delta.content or ""
+    text, usage, chunks = sdk_stream(spec)
     assert text == plain.choices[0].message.content
     assert set(json.loads(text)) == {"name", "city"}
     assert usage.completion_tokens == plain.usage.completion_tokens and chunks < usage.completion_tokens

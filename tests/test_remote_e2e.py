@@ -148,7 +148,8 @@ def test_listed_top_k_reaches_llama_cpp_server(front):
 
 
 @pytest.mark.parametrize("model, extra", [("via-llama-cpp", {"min_p": 0.1}), ("via-router", {"priority": 1}),
-                                          ("via-llama-cpp", {"return_token_ids": True})])
+                                          ("via-llama-cpp", {"return_token_ids": True}),
+                                          ("via-router", {"prediction": {"type": "content", "content": "Red"}})])
 def test_unlisted_extra_is_400(front, model, extra):
     r = post(front, "/v1/chat/completions", {"model": model, "messages": MESSAGES, **extra})
     name = next(iter(extra))

@@ -393,3 +393,82 @@ def test_a_step_mixes_decodes_drafts_and_prompts():
     rows = StepRows.of(step.work, BS)
     assert rows.out_rows == [0, 1, 2, 3, 4, 7] and rows.sampling == [0, 1, 2, 3, 4, 5]
     assert rows.ids == [5, 5, 6, 7, 8, 3, 3, 3]
+
+
+# --- predicted outputs --------------------------------------------------------------------------
+
+
+def predicting_seq(prompt, output, prediction, max_tokens=50) -> Sequence:
+    req = EngineRequest("r", list(prompt), SamplingParams(), max_tokens, prediction=list(prediction))
+    seq = Sequence(req, lambda _: None, BS)
+    seq.tokens += list(output)
+    return seq
+
+
+def test_a_prediction_is_walked_in_order():
+    p = proposer(k=3)
+    seq = predicting_seq([1, 2], [10], [10, 11, 12, 13, 14])
+    assert p.predict(seq, 10) == [11, 12, 13] and seq.prediction_at == 1
+    seq.tokens += [11, 12, 99]  # the model took two, then went its own way
+    assert p.predict(seq, 10) == []
+    seq.tokens += [13]  # and came back
+    assert p.predict(seq, 10) == [14]
+    assert p.predict(seq, 0) == []
+
+
+def test_repeated_tokens_align_from_where_the_last_draft_was_taken():
+    p = proposer(k=2)
+    seq = predicting_seq([9], [5], [5, 1, 5, 2, 5, 3])
+    assert p.predict(seq, 10) == [1, 5]  # the first 5
+    seq.tokens += [1, 5]
+    assert p.predict(seq, 10) == [2, 5]  # [5, 1, 5] ends at 3
+    seq.tokens += [2, 5]
+    assert p.predict(seq, 10) == [3]  # [5, 2, 5] ends at 5
+    assert seq.prediction_at == 5
+
+
+def test_only_an_n_gram_of_two_or_more_leads_back():
+    p = proposer(k=3)
+    seq = predicting_seq([1], [7, 8], [7, 8, 9, 1, 7])
+    seq.prediction_at = 5  # drafting got to the end
+    assert p.predict(seq, 10) == [9, 1, 7]  # [7, 8] occurred before: the answer repeats it
+    seq = predicting_seq([1], [4, 7], [7, 8, 9, 1])
+    seq.prediction_at = 3
+    assert p.predict(seq, 10) == []  # a lone 7 behind the point: no
+
+
+def test_no_prediction_or_no_match_drafts_nothing():
+    p = proposer()
+    assert p.predict(decoding_seq([1, 2, 3]), 10) == []
+    assert p.predict(predicting_seq([1], [2], []), 10) == []
+    assert p.predict(predicting_seq([1], [2], [3, 4]), 10) == []
+
+
+def test_the_scheduler_drafts_predictions_even_without_lookup():
+    predict_only = NgramProposer(NgramOptions(3, 1, 3), lookup=False)
+    sched = Scheduler(BlockPool(64, BS), max_num_seqs=8, max_batched_tokens=64, proposer=predict_only)
+    a = predicting_seq([5, 6, 7, 8, 9], [], [5, 20, 21, 22, 23])
+    b = decoding_seq([5, 6, 7, 8, 9])  # no prediction: the lookup is off, so no draft
+    admit_and_prefill(sched, [a, b])
+    work = {w.seq.id: w for w in sched.schedule().work}
+    assert (work[a.id].draft, work[a.id].predicted) == ([20, 21, 22], True)
+    assert (work[b.id].draft, work[b.id].predicted) == ([], False)
+
+
+def test_forced_tokens_then_the_prediction_then_the_lookup():
+    sched = scheduler()
+    s = predicting_seq([5, 6, 7, 8, 9], [], [5, 30, 31])
+    s.request.constraint = Grammar(forced=[40])
+    admit_and_prefill(sched, [s])
+    (w,) = sched.schedule().work
+    assert (w.draft, w.predicted) == ([40], False)
+    sched = scheduler()
+    s = predicting_seq([5, 6, 7, 8, 9], [], [5, 30, 31])
+    admit_and_prefill(sched, [s])
+    (w,) = sched.schedule().work
+    assert (w.draft, w.predicted) == ([30, 31], True)
+    sched = scheduler()
+    s = predicting_seq([5, 6, 7, 8, 9], [], [1, 2])  # the prediction has no 5: the lookup's draft
+    admit_and_prefill(sched, [s])
+    (w,) = sched.schedule().work
+    assert (w.draft, w.predicted) == ([6, 7, 8], False)

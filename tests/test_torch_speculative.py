@@ -233,6 +233,51 @@ def test_a_grammar_that_ends_inside_a_draft(pair):
     assert spec.tokenizer.decode(got[0]) in options
 
 
+async def predicted(engine, prompt, max_tokens, prediction, **params):
+    """One request with a prediction: its tokens and the last step's prediction token counts."""
+    req = EngineRequest("p", prompt, SamplingParams(**{"temperature": 0.0, **params}), max_tokens,
+                        ignore_eos=True, prediction=prediction)
+    tokens, counts = [], None
+    async for step in engine.generate(req):
+        tokens += step.token_ids
+        counts = step.prediction_tokens
+    return tokens, counts
+
+
+@pytest.mark.parametrize("fields", [{}, {"temperature": 1.0, "seed": 5}])
+def test_predicted_outputs_on_an_engine_with_or_without_speculative_config(pair, fields):
+    """A prediction is drafted from by both engines (the one without speculative_config drafts
+    from nothing else): the same tokens as without it, and its tokens kept and refused."""
+    base, spec = pair
+    copy = ids_of(base, COPY)
+    want = run(collect(base, copy, 40, **fields))[0]
+    right = want[:12] + ids_of(base, " word") + want[12:]  # the answer, but for one word
+    wrong = ids_of(base, "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor.")
+    for engine in (base, spec):
+        steps = engine.steps
+        got, (kept, refused) = run(predicted(engine, copy, 40, right, **fields))
+        assert got == want
+        assert kept >= 10 and engine.steps - steps < 35
+        got, (kept, refused) = run(predicted(engine, copy, 40, wrong, **fields))
+        assert got == want and kept + refused < 10
+    assert "spec_drafts" in base.stats()  # counted once predictions were drafted
+
+
+def test_a_prediction_under_a_grammar(pair):
+    base, spec = pair
+    prompt = ids_of(base, EXTRACT)
+    want = run(collect(base, prompt, 60, constraint=grammar(base)))[0]
+    req = EngineRequest("g", prompt, SamplingParams(temperature=0.0), 60, ignore_eos=True,
+                        constraint=grammar(base), prediction=want[3:30])
+
+    async def go():
+        return [step async for step in base.generate(req)]
+
+    steps = run(go())
+    assert [t for s in steps for t in s.token_ids] == want
+    assert steps[-1].prediction_tokens[0] > 0
+
+
 def test_preemption_under_a_tiny_kv_budget_with_drafts(pair):
     base, _ = pair
     if base.options.weight_format != "int4":

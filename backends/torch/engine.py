@@ -37,7 +37,7 @@ from .runner import ModelRunner
 from .sampler import BatchSampler
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
-from .speculative import NgramOptions, NgramProposer
+from .speculative import PREDICTION_ONLY, NgramOptions, NgramProposer
 
 log = logging.getLogger("router.torch")
 
@@ -120,7 +120,7 @@ class TorchEngine:
         spec = checkpoint.spec
         self.tokenizer = checkpoint.tokenizer
         self.chat_template = checkpoint.chat_template
-        self.capabilities = LOCAL_ENGINE_CAPABILITIES | {"lora_adapters"}
+        self.capabilities = LOCAL_ENGINE_CAPABILITIES | {"lora_adapters", "prediction"}
         if options.num_threads and options.device.type == "cpu":
             torch.set_num_threads(options.num_threads)
         if options.device.type == "cuda":
@@ -155,7 +155,11 @@ class TorchEngine:
             spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, options.device
         )
         self.pool = BlockPool(pool_blocks, options.block_size, prefix_caching=options.prefix_caching)
-        self.proposer = NgramProposer(options.speculative) if options.speculative is not None else None
+        # Without speculative_config the proposer drafts only from requests' predictions.
+        if options.speculative is not None:
+            self.proposer = NgramProposer(options.speculative)
+        else:
+            self.proposer = NgramProposer(PREDICTION_ONLY, lookup=False)
         self.scheduler = Scheduler(
             self.pool,
             max_num_seqs=options.max_num_seqs,
@@ -211,7 +215,7 @@ class TorchEngine:
             "kv_cache_bytes": self.kv.num_blocks * self._block_bytes,
             "preemptions": self.scheduler.preemptions,
         }
-        if self.proposer is not None:
+        if self.proposer.lookup or self.proposer.drafts:  # drafting configured, or predictions seen
             out |= {
                 "spec_drafts": self.proposer.drafts,
                 "spec_draft_tokens": self.proposer.draft_tokens,
@@ -388,7 +392,11 @@ class TorchEngine:
                 if finish is not None:
                     break
             if s.work.draft:  # the draft tokens the model agreed with, before any end among them
-                self.proposer.record(seq, len(s.work.draft), len(s.tokens) - 1)
+                drafted, agreed = len(s.work.draft), len(s.tokens) - 1
+                self.proposer.record(seq, drafted, agreed)
+                if s.work.predicted:
+                    seq.prediction_kept += agreed
+                    seq.prediction_refused += drafted - agreed
                 seq.trim(self.pool)  # blocks that held only rejected rows
             step_out = EngineStep(
                 s.tokens[:kept],
@@ -397,6 +405,7 @@ class TorchEngine:
                 stop_token,
                 seq.cached_tokens if first else None,
                 seq.prompt_logprobs if first else None,
+                (seq.prediction_kept, seq.prediction_refused) if finish is not None and seq.prediction is not None else None,
             )
             out[seq.loop].append((seq, step_out))
         for w in step.work:

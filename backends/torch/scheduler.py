@@ -30,6 +30,8 @@ class Scheduled:
     draft: list[int] = field(default_factory=list)
     """Speculative tokens after the sequence's last one (speculative.py): computed this step too,
     each of the last ``len(draft) + 1`` rows samples."""
+    predicted: bool = False
+    """The draft came from the request's prediction."""
 
     @property
     def samples(self) -> bool:
@@ -188,13 +190,14 @@ class Scheduler:
         block given to a draft that the model then rejects would be lost for nothing)."""
         fresh = self.pool.num_fresh
         bs = self.pool.block_size
+        lookup = self.proposer.lookup
         for w in step.work:
             if budget <= 0:
                 break
-            if not w.is_decode:
+            if not w.is_decode or not (lookup or w.seq.prediction is not None):
                 continue
             seq = w.seq
-            draft = self._draft(seq, budget)
+            draft, w.predicted = self._draft(seq, budget)
             # Room in its last block after its own token, then in the fresh blocks.
             room = len(seq.block_table) * bs - (seq.num_computed + 1) + fresh * bs
             del draft[max(room, 0) :]
@@ -207,24 +210,31 @@ class Scheduler:
             w.num_new += len(draft)
             w.draft = draft
 
-    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+    def _draft(self, seq: Sequence, budget: int) -> tuple[list[int], bool]:
         """Tokens to verify after a decoding sequence's last one, up to ``budget`` of them and
-        within the request's ``max_tokens``. Under a grammar: the tokens it forces if any (they
-        need no lookup), else an n-gram draft from the prompt only, cut where the grammar would
-        refuse it (the model could not sample the refused token). The output's own repeats are
-        the grammar's syntax, which it forces anyway; a match there mostly follows ``": "`` to
-        the previous field's value (bench/speculative.py ``extract``: 55% of the drafted tokens
-        kept with such matches, 77% without)."""
+        within the request's ``max_tokens``, and whether they came from its prediction. In
+        order: the tokens a grammar forces (they need no lookup), the request's prediction,
+        the n-gram lookup. Under a grammar the lookup searches the prompt only and the draft is
+        cut where the grammar would refuse it (the model could not sample the refused token):
+        the output's own repeats are the grammar's syntax, which it forces anyway, and a match
+        there mostly follows ``": "`` to the previous field's value (bench/speculative.py
+        ``extract``: 55% of the drafted tokens kept with such matches, 77% without)."""
         req = seq.request
-        limit = min(budget, req.max_tokens - seq.num_output - 1, self.proposer.size_for(seq))
+        proposer = self.proposer
+        limit = min(budget, req.max_tokens - seq.num_output - 1, proposer.size_for(seq))
         if limit < 1:
-            return []
+            return [], False
         constraint = req.constraint
-        if constraint is None:
-            return self.proposer.propose(token_array(seq), limit)
-        draft = constraint.forced()[:limit] or self.proposer.propose(token_array(seq), limit, before=seq.num_prompt)
-        del draft[constraint.accepts(draft) :]
-        return draft
+        draft = constraint.forced()[:limit] if constraint is not None else []
+        predicted = not draft and seq.prediction is not None
+        if predicted:
+            draft = proposer.predict(seq, limit)
+            predicted = bool(draft)
+        if not draft and proposer.lookup:
+            draft = proposer.propose(token_array(seq), limit, before=seq.num_prompt if constraint is not None else None)
+        if constraint is not None:
+            del draft[constraint.accepts(draft) :]
+        return draft, predicted
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens ``seq`` would compute this step: what is left of it, within the budget,

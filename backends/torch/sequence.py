@@ -6,6 +6,8 @@ import enum
 import itertools
 from typing import Any, Callable
 
+import numpy as np
+
 from router.engine import EngineRequest, TokenLogprobs
 
 from .kv_cache import BlockPool, chain_hash
@@ -50,6 +52,12 @@ class Sequence:
         self.draft_size: int | None = None  # speculative decoding: this sequence's draft length
         self.token_buffer: Any = None  # speculative decoding: ``tokens`` as an array (token_array)
         self.token_count = 0  # how many of ``tokens`` the buffer holds
+        # Predicted outputs: the request's prediction as an array, where drafting from it got to,
+        # and its drafted tokens the model kept and refused (usage's prediction token counts).
+        self.prediction: Any = None if request.prediction is None else np.asarray(request.prediction, dtype=np.int64)
+        self.prediction_at = 0
+        self.prediction_kept = 0
+        self.prediction_refused = 0
         self.loop: Any = None  # the event loop whose request this is
         self.order = (request.priority, request.arrival, self.id)
         # Prompt logprobs, when asked: entry p scores prompt token p + 1 (from position p's logits).

@@ -48,15 +48,25 @@ class NgramOptions:
     disable_by_batch_size: int | None = None
 
 
-class NgramProposer:
-    """Drafts tokens for a sequence from its own earlier tokens (:class:`NgramOptions`)."""
+PREDICTION_ONLY = NgramOptions(num_tokens=4, min_n=1, max_n=3)
+"""An engine without ``speculative_config``: drafts only from a request's prediction, 4 at most."""
 
-    def __init__(self, options: NgramOptions) -> None:
+PREDICTION_N = 3
+"""A prediction is followed by its longest n-gram (up to this) ending the sequence: see
+:meth:`NgramProposer.predict`."""
+
+
+class NgramProposer:
+    """Drafts tokens for a sequence from its own earlier tokens (:class:`NgramOptions`; only
+    with ``lookup``) and from the request's prediction (:meth:`predict`)."""
+
+    def __init__(self, options: NgramOptions, lookup: bool = True) -> None:
         if not 1 <= options.min_n <= options.max_n:
             raise ValueError(f"n-gram sizes {options.min_n}..{options.max_n}: need 1 <= min <= max")
         if options.num_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         self.options = options
+        self.lookup = lookup  # False: no speculative_config, only requests' predictions are drafted
         self.drafts = 0  # drafts proposed (steps that verified one)
         self.draft_tokens = 0  # tokens in them
         self.accepted_tokens = 0  # of those, how many the model agreed with
@@ -92,6 +102,40 @@ class NgramProposer:
             if starts.size:
                 follow = int(starts[-1]) + n  # the most recent occurrence: recent text repeats
                 return arr[follow : follow + k].tolist()
+        return []
+
+    def predict(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to ``min(num_tokens, limit)`` tokens of the request's prediction (OpenAI's
+        Predicted Outputs: text the answer is expected to mostly repeat), after where the
+        sequence's last tokens occur in it. The longest n-gram ending the sequence (up to
+        :data:`PREDICTION_N` tokens) is looked for from where the last prediction draft was
+        taken on (``seq.prediction_at``), so the sequence walks the prediction in order; an
+        n-gram of two or more tokens may also lead back before that point (the answer repeats
+        part of the prediction), a single token only forward (it matches too easily)."""
+        k = min(self.options.num_tokens, limit)
+        pred = seq.prediction
+        if k < 1 or pred is None or not len(pred):
+            return []
+        tokens = token_array(seq)
+        ends = np.flatnonzero(pred == tokens[-1]) + 1  # e: pred[e - 1] is the sequence's last token
+        if ends.size == 0:
+            return []
+        at = seq.prediction_at
+        for n in range(min(PREDICTION_N, len(tokens)), 0, -1):
+            starts = ends[ends >= n] - n
+            if n > 1 and starts.size:
+                windows = sliding_window_view(pred, n)[starts]
+                starts = starts[(windows == tokens[-n:]).all(axis=1)]
+            found = starts + n
+            ahead = found[found >= at]
+            if ahead.size:
+                end = int(ahead[0])
+            elif n > 1 and found.size:
+                end = int(found[-1])
+            else:
+                continue
+            seq.prediction_at = end
+            return pred[end : end + k].tolist()
         return []
 
     def size_for(self, seq: Sequence) -> int:

@@ -213,7 +213,7 @@ def main() -> None:
                         times[name].append(seconds)
                         after = engine.stats()
                         for i, key in enumerate(("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")):
-                            counts[name][i] += after[key] - before[key]
+                            counts[name][i] += after.get(key, 0) - before.get(key, 0)  # absent: none yet
                 if len(set(tokens.values())) != 1:
                     raise SystemExit(f"{workload}: {tokens} tokens: the ways generated different outputs")
                 n = tokens["base"]

@@ -190,20 +190,29 @@ class TokenConstraint:
 
     def forced(self) -> list[int]:
         """The tokens that spell the text the grammar forces from here (a JSON schema's next key
-        and its quotes, say): a draft that needs no lookup (the model may still spell that text
-        with other tokens). Empty when the next text is free."""
+        and its quotes, say): a draft that needs no lookup. Empty when the next text is free."""
         return self._matcher.compute_ff_tokens()
 
     def allowed_along(self, draft: list[int]) -> list["np.ndarray"]:
         """The masks before each of ``draft``'s tokens and after its last (``len(draft) + 1``),
         as if the draft had been generated; the matcher is left where it was. ``draft`` must be
-        one the grammar accepts whole (:meth:`accepts`)."""
+        one the grammar accepts whole (:meth:`accepts`). Once the grammar is complete inside the
+        draft, the rest of the rows get the complete grammar's mask (end of sequence only)."""
+        matcher = self._matcher
         masks = [self.allowed()]
+        consumed = 0
         for token in draft:
-            self._matcher.consume_token(token)
+            # A complete grammar takes an end-of-sequence token without recording it: rolling
+            # back a token that was not recorded would undo one that was. (A refused token puts
+            # the matcher in its error state for good, which ends the sequence as advance()'s
+            # would; :meth:`accepts` keeps refused tokens out of drafts.)
+            if matcher.is_stopped() or not matcher.consume_token(token):
+                masks.append(masks[-1])
+                continue
+            consumed += 1
             masks.append(self.allowed())
-        if draft:
-            self._matcher.rollback(len(draft))
+        if consumed:
+            matcher.rollback(consumed)
         return masks
 
     @property

@@ -133,8 +133,9 @@ class EngineStep:
     prompt_logprobs: list[TokenLogprobs] | None = None
     """On the first step, when the request asked: one entry per prompt token after the first."""
     prediction_tokens: tuple[int, int] | None = None
-    """On the last step of a request with a prediction: its tokens drafted and kept, and drafted
-    and refused (usage's ``accepted_prediction_tokens``, ``rejected_prediction_tokens``)."""
+    """On each step of a request with a prediction, the totals so far: its tokens drafted and
+    kept, and drafted and refused (usage's ``accepted_prediction_tokens``,
+    ``rejected_prediction_tokens``)."""
 
 
 def finish_reason(

@@ -172,9 +172,12 @@ class Generation:
         tok = self.backend.engine.tokenizer
         n = self.params.n
         if self.params.prediction is not None:
-            # No answer outgrows the context, so no more of a prediction is ever drafted from.
-            ids = tok.encode(self.params.prediction, add_special_tokens=False, parse_special=False)
-            self.prediction = ids[: self.backend.engine.max_model_len]
+            # No answer outgrows the context, so no more of a prediction is ever drafted from;
+            # the text is cut first, to tokenize little (SmolLM2's longest token spells 81
+            # characters: 256 a token leaves room).
+            limit = self.backend.engine.max_model_len
+            ids = tok.encode(self.params.prediction[: 256 * limit], add_special_tokens=False, parse_special=False)
+            self.prediction = ids[:limit]
         for p, prompt in enumerate(self.prompts):
             for i in range(n):
                 self.choices.append(
@@ -314,7 +317,8 @@ class Generation:
         )
         if self.prediction is not None:
             usage.completion_tokens_details = CompletionTokensDetails(
-                accepted_prediction_tokens=sum(c.prediction_tokens[0] for c in self.choices),
+                # A stop string may end the answer inside a step's kept draft tokens.
+                accepted_prediction_tokens=sum(min(c.prediction_tokens[0], len(c.token_ids)) for c in self.choices),
                 rejected_prediction_tokens=sum(c.prediction_tokens[1] for c in self.choices),
             )
         return usage

@@ -117,3 +117,19 @@ def test_allowed_along_a_draft_is_each_rows_mask_and_leaves_the_matcher_in_place
     assert (c.allowed() == masks[0]).all() and not c.done  # still before the draft
     assert drive(c, "7}") and c.done
     assert c.allowed_along([])[0].shape == masks[0].shape
+
+
+def test_a_draft_that_completes_the_grammar_then_ends_leaves_it_in_place(compiler):
+    """llguidance takes an end-of-sequence token after a complete grammar without recording it:
+    rolling the draft back must undo only what was consumed."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    c = compiler.constraint(ConstraintSpec("json", schema, "p"))
+    assert drive(c, '{"a": ')
+    before = c.allowed()
+    eos = min(tok.eos_token_ids)
+    draft = ids("12}") + [eos]
+    assert c.accepts(draft) == 4
+    masks = c.allowed_along(draft)
+    assert len(masks) == 5 and (masks[4] == masks[3]).all() and masks[3][eos]
+    assert (c.allowed() == before).all() and not c.done
+    assert drive(c, "7}") and c.done and not c.error

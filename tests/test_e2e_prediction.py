@@ -73,3 +73,13 @@ def test_bad_predictions_are_400s_naming_the_field(base_url, path, prediction, n
     assert r.status_code == 400
     err = r.json()["error"]
     assert needle in err["message"] or err["param"].startswith(needle), err
+
+
+def test_prediction_tokens_counted_when_a_stop_string_ends_the_answer(client):
+    """A stop string ends the request before the engine's last step: the counts come with every
+    step, and only the tokens the answer holds count as accepted."""
+    answer = chat(client).choices[0].message.content
+    reply = chat(client, prediction={"type": "content", "content": answer}, stop=["perimeter"])
+    assert reply.choices[0].message.content == answer[: answer.index("perimeter")]
+    details = reply.usage.completion_tokens_details
+    assert 5 <= details.accepted_prediction_tokens <= reply.usage.completion_tokens

@@ -472,3 +472,21 @@ def test_forced_tokens_then_the_prediction_then_the_lookup():
     admit_and_prefill(sched, [s])
     (w,) = sched.schedule().work
     assert (w.draft, w.predicted) == ([6, 7, 8], False)
+
+
+def test_drafts_stop_before_an_end_token_and_fall_through_to_the_next_source():
+    sched = Scheduler(BlockPool(64, BS), max_num_seqs=8, max_batched_tokens=64, proposer=proposer(k=3), eos_ids=frozenset({7}))
+    s = decoding_seq([5, 6, 7, 8, 9])
+    admit_and_prefill(sched, [s])
+    assert sched.schedule().work[0].draft == [6]  # 6, then the EOS: the row after 6 samples it anyway
+    sched = Scheduler(BlockPool(64, BS), max_num_seqs=8, max_batched_tokens=64, proposer=proposer(k=3), eos_ids=frozenset({7}))
+    req = EngineRequest("r", [5, 6, 7, 8, 9], SamplingParams(), 50, ignore_eos=True, stop_token_ids=frozenset({8}))
+    s = Sequence(req, lambda _: None, BS)
+    admit_and_prefill(sched, [s])
+    assert sched.schedule().work[0].draft == [6, 7]  # EOS ignored; the stop token id is an end
+    sched = scheduler()
+    s = predicting_seq([5, 6, 7, 8, 9], [], [5, 30, 31])
+    s.request.constraint = Grammar(accepting=0)  # refuses the prediction's draft, and the lookup's
+    admit_and_prefill(sched, [s])
+    (w,) = sched.schedule().work
+    assert (w.draft, w.predicted) == ([], False) and s.request.constraint.checked == [[30, 31], [6, 7, 8]]

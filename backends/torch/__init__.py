@@ -99,7 +99,9 @@ class TorchConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
 
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (vLLM's ``--speculative-config``); only ``method = "ngram"``.
-    Sequences under structured outputs or tools are not drafted."""
+    Sequences under structured outputs or tools are drafted the tokens their grammar forces, or
+    lookups in the prompt. Requests' predictions (Predicted Outputs) are drafted from with or
+    without it (without it, not where decode steps replay CUDA graphs)."""
 
     def adapter_names(self) -> list[str]:
         return list(self.lora_modules)

@@ -155,16 +155,20 @@ class TorchEngine:
             spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, options.device
         )
         self.pool = BlockPool(pool_blocks, options.block_size, prefix_caching=options.prefix_caching)
-        # Without speculative_config the proposer drafts only from requests' predictions.
+        # Without speculative_config the proposer drafts only from requests' predictions, and
+        # not at all where decode steps replay CUDA graphs: a step with a draft runs eagerly,
+        # every sequence in it, and one client's prediction should not slow everyone's steps.
+        self.proposer: NgramProposer | None = None
         if options.speculative is not None:
             self.proposer = NgramProposer(options.speculative)
-        else:
+        elif options.decode_graphs != "capture":
             self.proposer = NgramProposer(PREDICTION_ONLY, lookup=False)
         self.scheduler = Scheduler(
             self.pool,
             max_num_seqs=options.max_num_seqs,
             max_batched_tokens=options.max_batched_tokens,
             proposer=self.proposer,
+            eos_ids=self.tokenizer.eos_token_ids,
         )
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
@@ -215,7 +219,7 @@ class TorchEngine:
             "kv_cache_bytes": self.kv.num_blocks * self._block_bytes,
             "preemptions": self.scheduler.preemptions,
         }
-        if self.proposer.lookup or self.proposer.drafts:  # drafting configured, or predictions seen
+        if self.proposer is not None and (self.proposer.lookup or self.proposer.drafts):  # configured, or predictions seen
             out |= {
                 "spec_drafts": self.proposer.drafts,
                 "spec_draft_tokens": self.proposer.draft_tokens,
@@ -394,8 +398,8 @@ class TorchEngine:
             if s.work.draft:  # the draft tokens the model agreed with, before any end among them
                 drafted, agreed = len(s.work.draft), len(s.tokens) - 1
                 self.proposer.record(seq, drafted, agreed)
-                if s.work.predicted:
-                    seq.prediction_kept += agreed
+                if s.work.predicted:  # usage counts only what the answer holds
+                    seq.prediction_kept += min(agreed, kept)
                     seq.prediction_refused += drafted - agreed
                 seq.trim(self.pool)  # blocks that held only rejected rows
             step_out = EngineStep(
@@ -405,7 +409,8 @@ class TorchEngine:
                 stop_token,
                 seq.cached_tokens if first else None,
                 seq.prompt_logprobs if first else None,
-                (seq.prediction_kept, seq.prediction_refused) if finish is not None and seq.prediction is not None else None,
+                # Every step: a stop string may end the request before the engine's last step.
+                (seq.prediction_kept, seq.prediction_refused) if seq.prediction is not None else None,
             )
             out[seq.loop].append((seq, step_out))
         for w in step.work:

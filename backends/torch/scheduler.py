@@ -109,9 +109,11 @@ class Scheduler:
         max_batched_tokens: int,
         scored_rows: int = SCORED_ROWS,
         proposer: NgramProposer | None = None,
+        eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.pool = pool
         self.proposer = proposer  # speculative decoding: drafts for decoding sequences
+        self.eos_ids = eos_ids  # drafts stop before an end token (see _draft)
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.scored_rows = scored_rows
@@ -212,29 +214,39 @@ class Scheduler:
 
     def _draft(self, seq: Sequence, budget: int) -> tuple[list[int], bool]:
         """Tokens to verify after a decoding sequence's last one, up to ``budget`` of them and
-        within the request's ``max_tokens``, and whether they came from its prediction. In
-        order: the tokens a grammar forces (they need no lookup), the request's prediction,
-        the n-gram lookup. Under a grammar the lookup searches the prompt only and the draft is
-        cut where the grammar would refuse it (the model could not sample the refused token):
-        the output's own repeats are the grammar's syntax, which it forces anyway, and a match
-        there mostly follows ``": "`` to the previous field's value (bench/speculative.py
-        ``extract``: 55% of the drafted tokens kept with such matches, 77% without)."""
+        within the request's ``max_tokens``, and whether they came from its prediction. The
+        first of these that leaves anything: the tokens a grammar forces (they need no lookup),
+        the request's prediction, the n-gram lookup. Each stops before an end token (EOS, a
+        stop token id): the row before it samples the end anyway, so drafting one saves no step.
+        Under a grammar each is cut where the grammar would refuse it (the model could not
+        sample the refused token), and the lookup searches the prompt only: the output's own
+        repeats are the grammar's syntax, which it forces anyway, and a match there mostly
+        follows ``": "`` to the previous field's value (bench/speculative.py ``extract``: 55% of
+        the drafted tokens kept with such matches, 77% without)."""
         req = seq.request
         proposer = self.proposer
         limit = min(budget, req.max_tokens - seq.num_output - 1, proposer.size_for(seq))
         if limit < 1:
             return [], False
         constraint = req.constraint
-        draft = constraint.forced()[:limit] if constraint is not None else []
-        predicted = not draft and seq.prediction is not None
-        if predicted:
-            draft = proposer.predict(seq, limit)
-            predicted = bool(draft)
-        if not draft and proposer.lookup:
-            draft = proposer.propose(token_array(seq), limit, before=seq.num_prompt if constraint is not None else None)
-        if constraint is not None:
-            del draft[constraint.accepts(draft) :]
-        return draft, predicted
+        for source in ("forced", "prediction", "lookup"):
+            if source == "forced" and constraint is not None:
+                draft = constraint.forced()[:limit]
+            elif source == "prediction" and seq.prediction is not None:
+                draft = proposer.predict(seq, limit)
+            elif source == "lookup" and proposer.lookup:
+                draft = proposer.propose(token_array(seq), limit, before=seq.num_prompt if constraint is not None else None)
+            else:
+                continue
+            for i, token in enumerate(draft):
+                if token in req.stop_token_ids or (token in self.eos_ids and not req.ignore_eos):
+                    del draft[i:]
+                    break
+            if draft and constraint is not None:
+                del draft[constraint.accepts(draft) :]
+            if draft:
+                return draft, source == "prediction"
+        return [], False
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens ``seq`` would compute this step: what is left of it, within the budget,

@@ -121,3 +121,29 @@ def test_speculative_drafts_on_cuda_match_transformers_on_the_cpu(tmp_path, grap
         assert engine.stats()["spec_accepted_tokens"] > 0
     finally:
         run(engine.stop())
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_predictions_on_cuda(tmp_path, graphs):
+    """Without speculative_config a prediction is drafted from on eager steps, and not at all
+    where decode steps replay graphs (a drafted step would run every sequence eagerly); the
+    output is greedy transformers' either way."""
+    from router.engine import EngineRequest, SamplingParams
+
+    folder = tiny_checkpoint(tmp_path / "llama", "llama")
+    engine = engine_for(folder, device="cuda", dtype="float32", block_size=4, max_batched_tokens=32,
+                        cuda_graphs=graphs, max_num_seqs=16)
+    try:
+        prompt = random_prompts(3, (11,))[0]
+        want = hf_greedy(folder, prompt, 20)
+
+        async def predicted():
+            req = EngineRequest("p", prompt, SamplingParams(temperature=0.0), 20, ignore_eos=True, prediction=want)
+            return [step async for step in engine.generate(req)]
+
+        steps = run(predicted())
+        assert [t for s in steps for t in s.token_ids] == want
+        kept = steps[-1].prediction_tokens[0]
+        assert (engine.proposer is None and kept == 0) if graphs else kept >= 10
+    finally:
+        run(engine.stop())

@@ -23,6 +23,11 @@ forces any (a JSON schema's next key with its quotes), else an n-gram draft look
 prompt only, cut where the grammar would refuse it; each row samples under the grammar's mask
 after the draft tokens before it (``TokenConstraint.allowed_along``), and the grammar advances
 only through the kept tokens.
+
+A request may bring a prediction (OpenAI's Predicted Outputs): text its answer is expected to
+mostly repeat. It is drafted from before the lookup (:meth:`NgramProposer.predict`), and also
+on an engine without ``speculative_config``, whose proposer then drafts from predictions only
+(``lookup`` off, :data:`PREDICTION_ONLY`).
 """
 
 from __future__ import annotations

@@ -106,6 +106,7 @@ class Choice:
             self.cached_tokens = step.cached_tokens
         if step.prompt_logprobs is not None:
             self.prompt_logprobs = step.prompt_logprobs
+        before = self.prediction_tokens[0]
         if step.prediction_tokens is not None:
             self.prediction_tokens = step.prediction_tokens
         text_ids = ids
@@ -121,6 +122,9 @@ class Choice:
                 out += self.stops.push(self.detok.push([token]))
                 if self.stops.stopped_by is not None:
                     ids, logprobs = ids[: i + 1], logprobs[: i + 1] if logprobs else logprobs
+                    # A step's kept draft tokens are its first: only those up to here count.
+                    kept, refused = self.prediction_tokens
+                    self.prediction_tokens = (before + min(kept - before, i + 1), refused)
                     break
         else:
             out = self.stops.push(self.detok.push(text_ids))
@@ -317,8 +321,7 @@ class Generation:
         )
         if self.prediction is not None:
             usage.completion_tokens_details = CompletionTokensDetails(
-                # A stop string may end the answer inside a step's kept draft tokens.
-                accepted_prediction_tokens=sum(min(c.prediction_tokens[0], len(c.token_ids)) for c in self.choices),
+                accepted_prediction_tokens=sum(c.prediction_tokens[0] for c in self.choices),
                 rejected_prediction_tokens=sum(c.prediction_tokens[1] for c in self.choices),
             )
         return usage

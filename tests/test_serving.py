@@ -387,3 +387,19 @@ def test_a_multi_token_step_with_a_stop_token_and_a_stop_string():
     c = choice(["XY"])
     assert c.absorb(EngineStep(ids, None, "stop", EOS))[0] == "abc"
     assert c.token_ids == ids[:4] and (c.finish_reason, c.stop_reason) == ("stop", "XY")
+
+
+def test_prediction_tokens_kept_after_a_stop_string_do_not_count():
+    """Ten single-token steps, then one whose four drafted prediction tokens were all kept (plus
+    the token after them); the stop string completes at the step's first token."""
+    ids = tok.encode("abcdefghijXYZWV", add_special_tokens=False)
+    c = choice(["jX"])
+    for n, token in enumerate(ids[:10]):
+        c.absorb(EngineStep([token], None, None, None, prediction_tokens=(0, n % 2)))
+    c.absorb(EngineStep(ids[10:15], None, None, None, prediction_tokens=(4, 1)))
+    assert c.text == "abcdefghi" and len(c.token_ids) == 11
+    assert c.prediction_tokens == (1, 1)  # "X" only: the drafted "YZW" lie past the stop string
+    c = choice(["ZW"])
+    c.absorb(EngineStep(ids[:2], None, None, None, prediction_tokens=(1, 0)))
+    c.absorb(EngineStep(ids[2:7], None, None, None, prediction_tokens=(5, 2)))
+    assert c.prediction_tokens == (5, 2)  # no stop string inside: every kept token counts

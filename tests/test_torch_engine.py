@@ -11,7 +11,7 @@ import torch
 from backends.torch import TorchConfig
 from backends.torch.setup import build_engine
 from router.engine import EngineRequest, SamplingParams
-from torch_models import hf_greedy, smollm2_folder, tiny_checkpoint
+from torch_models import hf_greedy, hf_greedy_stepwise, smollm2_folder, tiny_checkpoint
 
 PROMPTS = [
     "<|im_start|>user\nWrite a story about a cat.<|im_end|>\n<|im_start|>assistant\n",
@@ -123,6 +123,23 @@ def test_tiny_random_architectures_match_transformers(tmp_path, arch):
         prompts = random_prompts(1, (5, 23, 40, 11))
         for ours, p in zip(generate_all(engine, prompts, 20), prompts):
             assert ours == hf_greedy(folder, p, 20)
+    finally:
+        run(engine.stop())
+
+
+@pytest.mark.parametrize("arch", ["phi3-longrope", "llama-dynamic"])
+def test_ropes_that_change_with_length_match_transformers_past_the_original_context(tmp_path, arch):
+    # phi3-longrope: Phi-4-mini's rope (12 of 16 dimensions rotate; LongRoPE's long factors past
+    # 32 positions); llama-dynamic: dynamic NTK past max_position_embeddings 32, serving 4x as
+    # many. Prompts within the first 32 positions, outputs running past them; each position
+    # rotates as transformers rotates it when it generates that token.
+    folder = tiny_checkpoint(tmp_path / arch, arch)
+    engine = engine_for(folder, block_size=4, max_batched_tokens=16)
+    try:
+        assert engine.max_model_len == (512 if arch == "phi3-longrope" else 128)
+        prompts = random_prompts(1, (5, 23, 30, 11))
+        for ours, p in zip(generate_all(engine, prompts, 24), prompts):
+            assert ours == hf_greedy_stepwise(folder, p, 24)
     finally:
         run(engine.stop())
 

@@ -17,7 +17,7 @@ from backends.torch.engine import EngineOptions, TorchEngine
 from backends.torch.graphs import DecodeGraphs, batch_buckets, block_buckets
 from backends.torch.loader import load_checkpoint
 from test_torch_engine import LENGTHS, engine_for, generate, generate_all, random_prompts, run
-from torch_models import hf_greedy, smollm2_folder, tiny_checkpoint
+from torch_models import hf_greedy, hf_greedy_stepwise, smollm2_folder, tiny_checkpoint
 
 
 def static_engine(folder, **options):
@@ -50,18 +50,21 @@ def test_buckets():
     assert block_buckets(13) == [1, 2, 4, 8, 13]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen3", "phi3-longrope"])
 def test_static_decode_matches_transformers_in_a_padded_batch(tmp_path, arch):
     # 5 sequences (padded to 8 rows), contexts from 5 to 60 tokens in blocks of 4 (buckets of
     # 2 to 16 blocks); mistral's sliding window of 8 masks inside the padded context (qwen2-window:
-    # on one layer, the other attends to all of it).
+    # on one layer, the other attends to all of it); phi3-longrope: a partial rotary whose
+    # factors change past 32 positions (prompts within them, transformers one token at a time).
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = static_engine(folder, block_size=4, max_batched_tokens=16, max_num_seqs=16)
     shapes = counting(engine)
+    longrope = arch == "phi3-longrope"
     try:
-        prompts = random_prompts(1, (5, 23, 40, 11, 17))
+        prompts = random_prompts(1, (5, 23, 30 if longrope else 40, 11, 17))
+        reference = hf_greedy_stepwise if longrope else hf_greedy
         for ours, p in zip(generate_all(engine, prompts, 20), prompts):
-            assert ours == hf_greedy(folder, p, 20)
+            assert ours == reference(folder, p, 20)
     finally:
         run(engine.stop())
     assert len(shapes) >= 19

@@ -3,6 +3,7 @@ tables with the same bits as transformers' own."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from backends.torch.model import ModelError, ModelSpec, Rotary, rope_inv_freq
+from backends.torch.model import ModelError, ModelSpec, Rotary, apply_rotary, rope_inv_freq
 
 SIZES = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=4096, rms_norm_eps=1e-6)
@@ -69,25 +70,132 @@ def test_other_model_types_are_refused_with_the_supported_list(model_type):
         ModelSpec.from_hf_config(cfg)
 
 
-def test_partial_rotary_and_longrope_are_refused():
-    # Phi-4-mini: a quarter of each head unrotated; Phi-3.5: longrope. Both would load and run
-    # wrong without these checks.
-    with pytest.raises(ModelError, match="partial_rotary_factor 0.75 is not supported"):
-        spec(Phi3Config, partial_rotary_factor=0.75, pad_token_id=0)
-    legacy = SimpleNamespace(model_type="phi3", **SIZES, num_hidden_layers=2, partial_rotary_factor=0.5)
-    with pytest.raises(ModelError, match="partial_rotary_factor 0.5"):
+def longrope(pairs, old_ctx=1024):
+    return {"rope_type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(pairs)],
+            "long_factor": [1.5 + 2.0 * i for i in range(pairs)], "original_max_position_embeddings": old_ctx}
+
+
+def test_partial_rotary_and_longrope_load():
+    # Phi-4-mini: a quarter of each head unrotated, LongRoPE; Phi-3.5-mini: LongRoPE on all of it.
+    s = spec(Phi3Config, partial_rotary_factor=0.75, pad_token_id=0, rope_scaling=longrope(6))
+    assert (s.rotary_dim, s.rotated, s.rope_scaling["rope_type"]) == (12, 12, "longrope")
+    s = spec(Phi3Config, pad_token_id=0, original_max_position_embeddings=1024, rope_scaling=longrope(8))
+    assert (s.rotary_dim, s.rotated, s.context_length) == (None, 16, 4096)
+    assert s.qk_layout() is None and s.qkv_row_order() is None
+
+
+@pytest.mark.parametrize("partial,why", [
+    (0.5625, "partial_rotary_factor 0.5625 rotates 9 of the 16 dimensions of a head; it must rotate an even number"),
+    (0.1, "partial_rotary_factor 0.1 rotates 1 of the 16"),
+])
+def test_a_partial_rotary_that_cannot_pair_is_refused(partial, why):
+    legacy = SimpleNamespace(model_type="phi3", **SIZES, num_hidden_layers=2, partial_rotary_factor=partial)
+    with pytest.raises(ModelError, match=why):
         ModelSpec.from_hf_config(legacy)
-    with pytest.raises(ModelError, match="rope scaling `longrope` is not supported"):
-        spec(Phi3Config, pad_token_id=0, original_max_position_embeddings=1024, rope_scaling={
-            "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 1024})
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
-def test_unsupported_rope_scalings_are_refused_by_name(kind):
-    with pytest.raises(ModelError, match=f"rope scaling `{kind}` is not supported; supported: default, linear, llama3, yarn"):
-        spec(LlamaConfig, rope_scaling={"rope_type": kind, "factor": 2.0, "original_max_position_embeddings": 1024,
-                                        "short_factor": [1.0] * 8, "long_factor": [1.0] * 8})
+@pytest.mark.parametrize("scaling,why", [
+    ({**longrope(8), "long_factor": [1.0] * 7}, "rope scaling `longrope` needs `long_factor`: a list of 8 numbers"),
+    ({k: v for k, v in longrope(8).items() if k != "short_factor"}, "needs `short_factor`: a list of 8 numbers"),
+    ({"rope_type": "dynamic"}, "rope scaling `dynamic` needs a `factor`"),
+    ({"type": "linear", "factor": 0}, "rope scaling `linear` needs a `factor`"),
+    ({"rope_type": "proportional", "factor": 2.0},
+     "rope scaling `proportional` is not supported; supported: default, linear, dynamic, llama3, yarn, longrope"),
+])
+def test_rope_scalings_that_cannot_load_are_refused_by_name(scaling, why):
+    cfg = SimpleNamespace(model_type="llama", **SIZES, num_hidden_layers=2, rope_theta=10000.0, rope_scaling=scaling)
+    with pytest.raises(ModelError, match=why):
+        ModelSpec.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("scaling,want", [
+    (None, 4096),
+    ({"rope_type": "linear", "factor": 4.0}, 16384),
+    ({"rope_type": "dynamic", "factor": 2.0}, 8192),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),  # Qwen2.5's recipe
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}, 4096),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 1024}, 4096),
+    (longrope(8), 4096),
+])
+def test_the_context_a_rope_scaling_serves(scaling, want):
+    # What vLLM derives: max_position_embeddings is the original length for linear and dynamic
+    # scaling; YaRN's is its original_max_position_embeddings; Llama 3 and LongRoPE configs
+    # already give the stretched one.
+    cfg = SimpleNamespace(model_type="llama", **SIZES, num_hidden_layers=2, rope_theta=10000.0, rope_scaling=scaling)
+    assert ModelSpec.from_hf_config(cfg).context_length == want
+
+
+def rotated_part(s, table):
+    """The rotated dimensions of our table rows, in transformers' order (cat(first, second))."""
+    half, pairs = s.head_dim // 2, s.rotated // 2
+    return torch.cat((table[:, :pairs], table[:, half : half + pairs]), dim=-1)
+
+
+@pytest.mark.parametrize("arch", ["phi3-partial-longrope", "phi3-longrope", "llama-dynamic"])
+def test_length_dependent_rope_tables_are_transformers_one_position_at_a_time(arch):
+    # transformers recomputes LongRoPE and dynamic NTK per forward pass from the longest position
+    # in it; fed one position at a time (as generation feeds them), position p gets what a
+    # sequence of p + 1 tokens gets. Our tables hold exactly that, row by row, past the original
+    # context (64 positions; dynamic: max_position_embeddings 64, factor 3).
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    if arch == "llama-dynamic":
+        cfg = LlamaConfig(**{**SIZES, "max_position_embeddings": 64}, num_hidden_layers=2,
+                          rope_scaling={"rope_type": "dynamic", "factor": 3.0})
+        theirs = LlamaRotaryEmbedding(cfg)
+    else:
+        partial = 0.75 if arch == "phi3-partial-longrope" else 1.0
+        cfg = Phi3Config(**SIZES, num_hidden_layers=2, pad_token_id=0, partial_rotary_factor=partial,
+                         original_max_position_embeddings=64, rope_scaling=longrope(int(8 * partial), 64))
+        theirs = Phi3RotaryEmbedding(cfg)
+    s = ModelSpec.from_hf_config(cfg)
+    ours = Rotary(s, 200)
+    x = torch.zeros(1, 1, s.head_dim)
+    for p in range(200):
+        cos, sin = theirs(x, torch.tensor([[p]]))
+        assert torch.equal(rotated_part(s, ours.cos[p : p + 1]), cos[0]), p
+        got_sin = rotated_part(s, ours.sin[p : p + 1])
+        pairs = s.rotated // 2
+        assert torch.equal(torch.cat((-got_sin[:, :pairs], got_sin[:, pairs:]), -1), sin[0]), p
+    # The passed dimensions: cos 1, sin 0 (a rotation by nothing).
+    passed = torch.ones(s.head_dim, dtype=torch.bool)
+    passed[: s.rotated // 2] = passed[s.head_dim // 2 : s.head_dim // 2 + s.rotated // 2] = False
+    assert torch.equal(ours.cos[:, passed], torch.ones(200, int(passed.sum())))
+    assert torch.equal(ours.sin[:, passed], torch.zeros(200, int(passed.sum())))
+    # Within the original context the original frequencies; past it, others.
+    inv, factor = rope_inv_freq(s)
+    for p, same in ((50, True), (150, False)):
+        plain = torch.cat((p * inv, p * inv)).cos() * factor
+        assert torch.allclose(rotated_part(s, ours.cos[p : p + 1])[0], plain) == same
+    if arch != "llama-dynamic":
+        assert factor == pytest.approx(math.sqrt(1 + math.log(4096 / 64) / math.log(64)))
+
+
+def test_a_partial_rotary_in_our_layout_is_transformers_rotation():
+    # Phi-4-mini's heads: the first 12 of 16 dimensions rotate in pairs 6 apart, the last 4
+    # pass. Here pairs sit head_dim / 2 apart (apply_rotary, the C kernels): the loader moves
+    # the dimensions of q and k (qk_layout), and the rotation of a moved vector is the moved
+    # rotation of it.
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = Phi3Config(**SIZES, num_hidden_layers=2, pad_token_id=0, partial_rotary_factor=0.75,
+                     original_max_position_embeddings=64, rope_scaling=longrope(6, 64))
+    s = ModelSpec.from_hf_config(cfg)
+    layout = s.qk_layout()
+    assert layout.tolist() == [0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
+    positions = torch.tensor([64, 70, 99, 150, 199])  # all past 64: long factors, in one forward as row by row
+    q, k = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16)
+    cos, sin = Phi3RotaryEmbedding(cfg)(q, positions[None])
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    ours = Rotary(s, 200).tables(positions, torch.float32)
+    for x, want in ((q, want_q), (k, want_k)):
+        got = apply_rotary(x[..., layout][0].transpose(0, 1), *ours, 8)
+        assert torch.equal(got, want[..., layout][0].transpose(0, 1))
+    order = s.qkv_row_order()
+    assert order.shape == (16 * (4 + 2 + 2),) and sorted(order.tolist()) == list(range(128))
+    assert order[16:32].tolist() == (16 + layout).tolist() and order[96:].tolist() == list(range(96, 128))
 
 
 ROPES = [

@@ -36,7 +36,7 @@ def counting_decoder(engine):
 
 ARCH_FORMATS = [(arch, fmt, "auto") for fmt in ("int8", "int4") for arch in ("llama", "qwen2", "mistral", "llama-odd")]
 ARCH_FORMATS += [("qwen2-window", "int4", "auto"), ("qwen3", "int8", "auto"), ("qwen3", "int4", "float16"),
-                 ("phi3", "int4", "auto")]
+                 ("phi3", "int4", "auto"), ("phi3-longrope", "int8", "auto"), ("llama-dynamic", "int4", "auto")]
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,9 @@ def test_c_decode_steps_match_the_packed_torch_path(tmp_path, arch, fmt, kv):
     # llama: llama3 rope scaling; qwen2: qkv bias, tied embeddings; mistral: sliding window of 8;
     # llama-odd: hidden 80, intermediate 200 (neither a multiple of the 32-input group), 5 heads
     # on 1 KV head, biases on every projection but the LM head; qwen2-window: a window on one
-    # layer of two; qwen3: query and key norms (in C, head_norms). A 16-bit KV cache: both paths
+    # layer of two; qwen3: query and key norms (in C, head_norms); phi3-longrope: 4 of 16
+    # dimensions of each head unrotated (cos 1, sin 0 in the tables the C kernel reads) and the
+    # long factors past 32 positions; llama-dynamic: the base raised past 32. A 16-bit KV cache: both paths
     # round keys and values the same way when they write them.
     folder = tiny_checkpoint(tmp_path / arch, arch)
     prompts = random_prompts(2, (5, 23, 40, 11))

@@ -48,6 +48,15 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         from transformers import Phi3Config
 
         config = Phi3Config(**common, sliding_window=12, pad_token_id=0)
+    elif arch == "phi3-longrope":  # Phi-4-mini's rope: 3/4 of each head rotates, LongRoPE beyond 32 positions
+        from transformers import Phi3Config
+
+        pairs = 6  # rotary_dim 12 of head_dim 16
+        config = Phi3Config(**common, pad_token_id=0, partial_rotary_factor=0.75, original_max_position_embeddings=32,
+                            rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(pairs)],
+                                          "long_factor": [2.0 + 1.5 * i for i in range(pairs)]})
+    elif arch == "llama-dynamic":  # dynamic NTK: the base grows past max_position_embeddings (32)
+        config = LlamaConfig(**{**common, "max_position_embeddings": 32}, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -80,6 +89,25 @@ def hf_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), generation_config=config)
     return out[0, len(prompt):].tolist()
+
+
+def hf_greedy_stepwise(folder: Path, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding by transformers' forward pass with its KV cache: the prompt in one pass,
+    then one token per pass. The reference for ropes that change with the sequence's length
+    (LongRoPE, dynamic NTK), where ``generate()`` differs: for Phi-3 it drops the cache and
+    computes the whole sequence again once it outgrows the original context."""
+    from transformers import DynamicCache
+
+    model = _hf_model(folder)
+    cache, ids, out = DynamicCache(config=model.config), torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(n):
+            start = cache.get_seq_length()
+            positions = torch.arange(start, start + ids.shape[1])[None]
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions).logits
+            out.append(int(logits[0, -1].argmax()))
+            ids = torch.tensor([[out[-1]]])
+    return out
 
 
 _cache: dict[Path, object] = {}

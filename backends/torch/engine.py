@@ -136,7 +136,7 @@ class TorchEngine:
             raise ValueError("the KV budget holds a single block; decode graphs need two")
         self._block_bytes = per_block
         # A sequence can never be longer than the whole cache.
-        self.max_model_len = min(options.max_model_len, spec.max_position, pool_blocks * options.block_size)
+        self.max_model_len = min(options.max_model_len, spec.context_length, pool_blocks * options.block_size)
         model = CausalLM(spec, self.max_model_len)
         model.load_hf_state_dict(checkpoint.weights)
         checkpoint.weights.clear()

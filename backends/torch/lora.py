@@ -111,7 +111,7 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
         raise fail("adapter_config.json needs an integer `r` >= 1 and a number `lora_alpha`")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    targets = _targets(spec)
+    targets, rows = _targets(spec), spec.qkv_row_order()
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         weights = load_file(str(weights_file))
@@ -140,6 +140,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
                 f"layer {layer} `{module}`: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
                 f"{(rank, in_features)} and {(end - start, rank)} (r = {rank} on this base model)"
             )
+        if rows is not None and ours == "qkv_proj":  # the base model's q and k rows are reordered (ModelSpec.qk_layout)
+            b = b[rows[start:end] - start]
         a = a.to(device=device, dtype=dtype)
         b = (b.float() * scale).to(device=device, dtype=dtype)
         adapter.parts.setdefault((layer, ours), []).append((start, end, a, b))

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral, Phi-3) as plain torch modules.
 
-RMSNorm, rotary embeddings with the config's scaling (linear, Llama 3, YaRN), grouped-query
+RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
+LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
 attention over the paged KV cache (sliding windows on all or some layers), Qwen3's per-head
 query and key norms, SwiGLU, tied or untied embeddings. Every forward pass works on a flat batch
 of tokens from many sequences at once (continuous batching); :mod:`.attention` knows which
@@ -49,9 +50,55 @@ class ModelSpec:
     # slide only from max_window_layers on (their config's layer_types).
     sliding_layers: tuple[int, ...] | None = None
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before rotary
+    # partial_rotary_factor (Phi-4-mini): only the first rotary_dim dimensions of each query and
+    # key head rotate, the rest pass; None: all of them.
+    rotary_dim: int | None = None
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
-    ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
+    ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+    @property
+    def rotated(self) -> int:
+        """How many dimensions of each query and key head rotate."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def context_length(self) -> int:
+        """The longest context the rotary embedding serves, as vLLM derives it: linear and dynamic
+        scaling stretch ``max_position_embeddings`` by their factor, YaRN the original length by
+        its factor; Llama 3 and LongRoPE configs already give the stretched length."""
+        scaling = self.rope_scaling or {}
+        kind, factor = scaling.get("rope_type", "default"), scaling.get("factor")
+        if kind in ("linear", "dynamic") and factor:
+            return max(self.max_position, int(self.max_position * float(factor)))
+        if kind == "yarn" and factor:
+            return max(self.max_position, int(scaling["original_max_position_embeddings"] * float(factor)))
+        return self.max_position
+
+    def qk_layout(self) -> torch.Tensor | None:
+        """Where each dimension of a query or key head sits here, as indices into Hugging Face's
+        order; None where every dimension rotates (the orders agree).
+
+        The rotary step (here and in the C kernels) pairs dimension ``j`` with ``j + head_dim/2``.
+        Hugging Face rotates the first ``rotary_dim`` with pairs ``rotary_dim/2`` apart and passes
+        the rest, so the loader moves the rotated halves to the front of each half of the head
+        and the passed ones after them. Queries and keys move alike: their dot products, and so
+        the attention, are what they were."""
+        if self.rotary_dim is None:
+            return None
+        a, half, rot = self.rotary_dim // 2, self.head_dim // 2, self.rotary_dim
+        rest = half - a  # passed dimensions in each half of the head
+        first, second = torch.arange(a), torch.arange(a, rot)
+        return torch.cat((first, rot + torch.arange(rest), second, rot + rest + torch.arange(rest)))
+
+    def qkv_row_order(self) -> torch.Tensor | None:
+        """:meth:`qk_layout` over the fused q, k, v output rows (v untouched); None: identity."""
+        layout = self.qk_layout()
+        if layout is None:
+            return None
+        heads = torch.arange(self.num_heads + self.num_kv_heads)[:, None] * self.head_dim
+        qk = (heads + layout).flatten()
+        return torch.cat((qk, torch.arange(qk.numel(), qk.numel() + self.num_kv_heads * self.head_dim)))
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of ``layer``'s attention; None for full attention."""
@@ -85,13 +132,27 @@ class ModelSpec:
             if kind not in cls.ROPE_SCALINGS:
                 raise ModelError(f"rope scaling `{kind}` is not supported; supported: {', '.join(cls.ROPE_SCALINGS)}")
             scaling["rope_type"] = kind
-            if kind == "yarn" and "original_max_position_embeddings" not in scaling:
+            if kind in ("yarn", "longrope") and "original_max_position_embeddings" not in scaling:
                 scaling["original_max_position_embeddings"] = getattr(
                     cfg, "original_max_position_embeddings", cfg.max_position_embeddings
                 )
+            if kind in ("linear", "dynamic", "llama3") and not scaling.get("factor"):
+                raise ModelError(f"rope scaling `{kind}` needs a `factor`")
         partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+        rotary_dim = None
         if partial is not None and float(partial) != 1.0:
-            raise ModelError(f"partial_rotary_factor {partial} is not supported: every dimension is rotated here")
+            rotary_dim = int(head_dim * float(partial))  # as transformers rounds it
+            if not 2 <= rotary_dim < head_dim or rotary_dim % 2:
+                raise ModelError(
+                    f"partial_rotary_factor {partial} rotates {rotary_dim} of the {head_dim} dimensions of a head; "
+                    "it must rotate an even number of them, at least 2"
+                )
+        if scaling and scaling["rope_type"] == "longrope":
+            pairs = (rotary_dim or head_dim) // 2
+            for key in ("short_factor", "long_factor"):
+                got = scaling.get(key)
+                if not isinstance(got, (list, tuple)) or len(got) != pairs:
+                    raise ModelError(f"rope scaling `longrope` needs `{key}`: a list of {pairs} numbers, one per rotated pair")
         window, sliding_layers = _sliding_window(cfg, model_type)
         return cls(
             vocab_size=cfg.vocab_size,
@@ -112,6 +173,7 @@ class ModelSpec:
             o_bias=bool(getattr(cfg, "attention_bias", False)) and model_type != "qwen2",
             sliding_layers=sliding_layers,
             qk_norm=model_type == "qwen3",
+            rotary_dim=rotary_dim,
         )
 
 
@@ -134,16 +196,27 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     return (int(window), layers) if layers else (None, None)
 
 
-def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies per rotary pair with the config's scaling applied, and the factor
-    the cos and sin tables are multiplied by (YaRN's attention factor; 1 otherwise)."""
-    dim = spec.head_dim
+def rope_inv_freq(spec: ModelSpec, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies per rotated pair with the config's scaling applied, and the factor
+    the cos and sin tables are multiplied by (YaRN's and LongRoPE's attention factor; 1
+    otherwise). ``seq_len``: the length of the sequence, for the two scalings that depend on it
+    (LongRoPE's long factors beyond the original length; dynamic NTK's base), as transformers
+    takes it."""
+    dim = spec.rotated
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv = 1.0 / (spec.rope_theta**exponents)
     scaling = spec.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv = inv / float(scaling["factor"])
+    elif kind == "dynamic":
+        if seq_len is not None and seq_len > spec.max_position:
+            return _dynamic_inv_freq(spec, torch.tensor([seq_len]))[0], 1.0
+        # transformers' initial frequencies: the base in Python floats (unchanged up to
+        # max_position_embeddings whatever the factor, up to rounding).
+        factor = float(scaling["factor"])
+        base = spec.rope_theta * ((factor * spec.max_position / spec.max_position) - (factor - 1)) ** (dim / (dim - 2))
+        inv = 1.0 / (base**exponents)
     elif kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -157,7 +230,36 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
         inv = torch.where(medium, smoothed, scaled)
     elif kind == "yarn":
         return _yarn(spec, scaling, exponents)
+    elif kind == "longrope":
+        return _longrope(spec, scaling, exponents, seq_len)
     return inv, 1.0
+
+
+def _dynamic_inv_freq(spec: ModelSpec, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK scaling's frequencies for sequences longer than ``max_position_embeddings``,
+    one row per length, with the bits of transformers' forward pass: float32 arithmetic, but its
+    power of a one-element tensor rounds as float64 does."""
+    dim, factor = spec.rotated, float(spec.rope_scaling["factor"])  # type: ignore[index]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    ratio = (factor * seq_lens / spec.max_position) - (factor - 1)
+    base = spec.rope_theta * (ratio.double() ** (dim / (dim - 2))).float()
+    return 1.0 / (base[:, None] ** exponents)
+
+
+def _longrope(
+    spec: ModelSpec, scaling: dict[str, Any], exponents: torch.Tensor, seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini) as transformers computes it: each pair's wavelength
+    stretched by ``short_factor`` within the original context, by ``long_factor`` beyond it;
+    cos and sin scaled by sqrt(1 + ln(factor) / ln(original length))."""
+    old_ctx = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else spec.max_position / old_ctx
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    stretch = scaling["long_factor"] if seq_len and seq_len > old_ctx else scaling["short_factor"]
+    return 1.0 / (torch.tensor(stretch, dtype=torch.float32) * spec.rope_theta**exponents), float(attention_factor)
 
 
 def _yarn(spec: ModelSpec, scaling: dict[str, Any], exponents: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -165,7 +267,7 @@ def _yarn(spec: ModelSpec, scaling: dict[str, Any], exponents: torch.Tensor) -> 
     frequency (extrapolate), the slow ones are divided by ``factor`` (interpolate), a linear
     ramp between, over the pairs that turn between ``beta_slow`` and ``beta_fast`` times in the
     original context; cos and sin scaled by 0.1 ln(factor) + 1 (or the config's mscale ratio)."""
-    dim, base = spec.head_dim, spec.rope_theta
+    dim, base = spec.rotated, spec.rope_theta
     old_ctx = float(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor")
     factor = float(factor) if factor is not None else spec.max_position / old_ctx
@@ -195,19 +297,51 @@ def _yarn(spec: ModelSpec, scaling: dict[str, Any], exponents: torch.Tensor) -> 
     return interpolated * (1 - keep) + extrapolated * keep, float(attention_factor)
 
 
+def rope_angles(spec: ModelSpec, max_len: int) -> tuple[torch.Tensor, float]:
+    """The angle of every rotated pair at every position, ``[max_len, rotated / 2]``, and the
+    tables' factor (:func:`rope_inv_freq`).
+
+    LongRoPE and dynamic NTK change with the sequence's length; transformers recomputes them per
+    forward pass from the longest position in it. Here a position's angles depend on the position
+    alone (so that a step's batch, its chunking and the prefix cache change nothing): position
+    ``p`` takes what transformers uses for a sequence of ``p + 1`` tokens. That is transformers'
+    own result for every token it generates one at a time, and for whole prompts within the
+    original context; a prompt beyond it is rotated there with the short factors (LongRoPE) or
+    the original base (dynamic) in its first part, where transformers uses the long ones."""
+    positions = torch.arange(max_len, dtype=torch.float32)
+    scaling = spec.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    inv, factor = rope_inv_freq(spec)
+    if kind == "longrope":
+        old_ctx = int(scaling["original_max_position_embeddings"])
+        long_inv, _ = rope_inv_freq(spec, seq_len=old_ctx + 1)
+        inv = torch.where((positions >= old_ctx)[:, None], long_inv, inv)
+    elif kind == "dynamic" and max_len > spec.max_position:
+        beyond = _dynamic_inv_freq(spec, torch.arange(spec.max_position + 1, max_len + 1))
+        inv = torch.cat((inv.expand(spec.max_position, -1), beyond))
+    return positions[:, None] * inv, factor
+
+
 class Rotary(nn.Module):
-    """cos/sin tables for every position up to the context length, computed once."""
+    """cos/sin tables for every position up to the context length, computed once.
+
+    Each row is laid out for :func:`apply_rotary`: dimension ``j`` pairs with ``j + head_dim/2``.
+    With a partial rotary the passed dimensions (see :meth:`ModelSpec.qk_layout`) take cos 1 and
+    sin 0."""
 
     def __init__(self, spec: ModelSpec, max_len: int) -> None:
         super().__init__()
-        inv_freq, factor = rope_inv_freq(spec)
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        freqs, factor = rope_angles(spec, max_len)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        cos, sin = emb.cos() * factor, emb.sin() * factor
+        pairs, rest = freqs.shape[1], (spec.head_dim - spec.rotated) // 2
+        passed = torch.zeros(max_len, rest)
         # HF's rotate_half(x) * sin is cat(-x2, x1) * sin; with the first half of sin negated it
         # is roll(x) * sin': the same products, one op instead of four.
-        sin = freqs.sin() * factor
-        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        cos = torch.cat((cos[:, :pairs], passed + 1, cos[:, pairs:], passed + 1), dim=-1)
+        sin = torch.cat((-sin[:, :pairs], passed, sin[:, pairs:], passed), dim=-1)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self.half = spec.head_dim // 2
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,6 +460,11 @@ class CausalLM(nn.Module):
                 param.copy_(value)
 
         copy(self.embed_tokens.weight, take("embed_tokens.weight"), "embed_tokens.weight")
+        rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
+
+        def reorder(value: torch.Tensor) -> torch.Tensor:
+            return value if rows is None or value.shape[0] != rows.numel() else value[rows]
+
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
@@ -333,9 +472,10 @@ class CausalLM(nn.Module):
             qkv = take(fused) if fused in state or "model." + fused in state else torch.cat(
                 [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
             )
-            copy(attn.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
+            copy(attn.qkv_proj.weight, reorder(qkv), p + "self_attn.qkv_proj.weight")
             if spec.qkv_bias:
-                copy(attn.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv bias")
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                copy(attn.qkv_proj.bias, reorder(bias), p + "qkv bias")
             copy(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
             if spec.o_bias:
                 copy(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
@@ -350,7 +490,9 @@ class CausalLM(nn.Module):
                 copy(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
             if spec.qk_norm:
                 for name in ("q_norm", "k_norm"):
-                    copy(getattr(attn, name).weight, take(p + f"self_attn.{name}.weight"), p + f"self_attn.{name}.weight")
+                    norm = take(p + f"self_attn.{name}.weight")
+                    norm = norm if layout is None or norm.shape != layout.shape else norm[layout]
+                    copy(getattr(attn, name).weight, norm, p + f"self_attn.{name}.weight")
             copy(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             copy(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
         copy(self.norm.weight, take("norm.weight"), "norm.weight")

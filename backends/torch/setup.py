@@ -67,7 +67,7 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) ->
         files = [folder / "adapter_model.safetensors" for folder in options.lora_modules.values()]
         adapter_bytes = sum(f.stat().st_size for f in files if f.is_file())
         options.kv_cache_bytes = kv_budget(config, device, dtype, checkpoint, adapter_bytes)
-        options.max_model_len = config.max_model_len or checkpoint.spec.max_position
+        options.max_model_len = config.max_model_len or checkpoint.spec.context_length
         return checkpoint
 
     options = EngineOptions(

@@ -1,5 +1,6 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoints built from a config, no download."""
+random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoints and mixtures of experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE) built from a config, no download."""
 
 from __future__ import annotations
 
@@ -57,6 +58,21 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                                           "long_factor": [2.0 + 1.5 * i for i in range(pairs)]})
     elif arch == "llama-dynamic":  # dynamic NTK: the base grows past max_position_embeddings (32)
         config = LlamaConfig(**{**common, "max_position_embeddings": 32}, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    elif arch == "mixtral":  # 4 experts, 2 a token; a window of 8 on every layer
+        from transformers import MixtralConfig
+
+        config = MixtralConfig(**{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=8)
+    elif arch == "qwen2_moe":  # 6 experts, 3 a token, not renormalised; a gated shared expert; layer 0 dense
+        from transformers import Qwen2MoeConfig
+
+        config = Qwen2MoeConfig(**common, moe_intermediate_size=32, shared_expert_intermediate_size=80, num_experts=6,
+                                num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[0])
+    elif arch == "qwen3_moe":  # 8 experts, 2 a token, renormalised; query and key norms; a dense layer every 2nd
+        from transformers import Qwen3MoeConfig
+
+        config = Qwen3MoeConfig(**common, head_dim=24, moe_intermediate_size=40, num_experts=8, num_experts_per_tok=2,
+                                norm_topk_prob=True, decoder_sparse_step=2)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)

@@ -172,7 +172,9 @@ class TorchEngine:
         )
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
-        if options.weight_format in ("int8", "int4"):  # steps that decode or compute short prompts: one C call
+        # Steps that decode or compute short prompts: one C call. It knows dense MLPs only; a
+        # mixture of experts' steps run as torch operations (the experts' packed matmuls in C).
+        if options.weight_format in ("int8", "int4") and not spec.is_moe:
             from .cpu_decode import CpuDecoder
 
             decoder = CpuDecoder(self.model, self.kv)

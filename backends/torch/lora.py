@@ -119,6 +119,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
         raise fail(f"adapter_model.safetensors cannot be read: {exc}") from None
     for key, tensor in weights.items():
         m = _KEY.search(key)
+        if m is None and ".experts." in key:
+            raise fail(f"weight `{key}`: the experts of a mixture of experts cannot be adapted (attention's projections can)")
         if m is None:
             raise fail(f"weight `{key}`: only the layers' projections can be adapted (q/k/v/o, gate/up/down)")
         layer, module, side = int(m.group(1)), m.group(2), m.group(3)
@@ -126,6 +128,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
             raise fail(f"weight `{key}`: module `{module}` is not supported; supported: {', '.join(targets)}")
         if layer >= spec.num_layers:
             raise fail(f"weight `{key}`: the base model has {spec.num_layers} layers")
+        if spec.is_sparse(layer) and targets[module][0] in PROJECTIONS[2:]:
+            raise fail(f"weight `{key}`: layer {layer}'s feed-forward block is a mixture of experts, which has no `{module}`")
         pairs.setdefault((layer, module), {})[side] = tensor
     if not pairs:
         raise fail("adapter_model.safetensors holds no LoRA weights")

@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral, Phi-3) as plain torch modules.
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral, Phi-3, and the mixtures of
+experts Mixtral, Qwen2-MoE and Qwen3-MoE) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
 attention over the paged KV cache (sliding windows on all or some layers), Qwen3's per-head
-query and key norms, SwiGLU, tied or untied embeddings. Every forward pass works on a flat batch
+query and key norms, SwiGLU (or a mixture of SwiGLU experts: :mod:`.moe`), tied or untied
+embeddings. Every forward pass works on a flat batch
 of tokens from many sequences at once (continuous batching); :mod:`.attention` knows which
 tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
+from .moe import SparseMoE
+from .weights import WeightReader, load_mlp
 
 
 class ModelError(ValueError):
@@ -53,9 +57,27 @@ class ModelSpec:
     # partial_rotary_factor (Phi-4-mini): only the first rotary_dim dimensions of each query and
     # key head rotate, the rest pass; None: all of them.
     rotary_dim: int | None = None
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); 0 experts: a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0  # one expert's intermediate size (Qwen: moe_intermediate_size)
+    normalize_routing: bool = False  # the chosen experts' weights renormalised to sum to 1
+    shared_expert_size: int = 0  # Qwen2-MoE: an expert every token runs through, gated by a sigmoid
+    # Layers of a MoE model with a plain MLP of intermediate_size instead (Qwen's mlp_only_layers
+    # and decoder_sparse_step).
+    dense_layers: tuple[int, ...] = ()
 
-    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer is a mixture of experts."""
+        return any(self.is_sparse(i) for i in range(self.num_layers))
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s feed-forward block is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def rotated(self) -> int:
@@ -154,6 +176,7 @@ class ModelSpec:
                 if not isinstance(got, (list, tuple)) or len(got) != pairs:
                     raise ModelError(f"rope scaling `longrope` needs `{key}`: a list of {pairs} numbers, one per rotated pair")
         window, sliding_layers = _sliding_window(cfg, model_type)
+        qwen2 = model_type in ("qwen2", "qwen2_moe")
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -167,24 +190,48 @@ class ModelSpec:
             rope_scaling=scaling,
             max_position=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2",
+            # Qwen2 always has q, k and v biases; Qwen2-MoE unless its config says qkv_bias false.
+            qkv_bias=bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2"
+            or (model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             sliding_window=window,
-            o_bias=bool(getattr(cfg, "attention_bias", False)) and model_type != "qwen2",
+            o_bias=bool(getattr(cfg, "attention_bias", False)) and not qwen2,
             sliding_layers=sliding_layers,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rotary_dim=rotary_dim,
+            **_experts(cfg, model_type),
         )
 
 
+def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of :class:`ModelSpec`, as transformers builds the layers:
+    Mixtral's every layer is sparse, its experts of ``intermediate_size``, their weights always
+    renormalised; Qwen2-MoE's and Qwen3-MoE's layers are sparse but for ``mlp_only_layers`` and
+    those off ``decoder_sparse_step``, their experts of ``moe_intermediate_size``."""
+    if model_type == "mixtral":
+        experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, True, ()
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        experts, size, normalize = cfg.num_experts, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob)
+        step, only = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or ())
+        dense = tuple(i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step)
+    else:
+        return {}
+    top_k = cfg.num_experts_per_tok
+    if experts and not 1 <= top_k <= experts:
+        raise ModelError(f"num_experts_per_tok {top_k} must be from 1 to the number of experts, {experts}")
+    shared = getattr(cfg, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    return dict(num_experts=experts, experts_per_token=top_k, expert_size=size, normalize_routing=normalize,
+                shared_expert_size=shared or 0, dense_layers=dense)
+
+
 def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
-    """The window and the layers that use it, as transformers decides them: Mistral and Phi-3
-    slide on every layer; Qwen2 and Qwen3 only with ``use_sliding_window``, on the layers
+    """The window and the layers that use it, as transformers decides them: Mistral, Mixtral and
+    Phi-3 slide on every layer; the Qwens only with ``use_sliding_window``, on the layers
     ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Llama never."""
     window = getattr(cfg, "sliding_window", None)
     if model_type == "llama" or not window:
         return None, None
-    if model_type in ("mistral", "phi3"):
+    if model_type in ("mistral", "phi3", "mixtral"):
         return int(window), None
     if not getattr(cfg, "use_sliding_window", False):
         return None, None
@@ -397,11 +444,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.intermediate = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.intermediate = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -414,7 +463,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp: MLP | SparseMoE
+        if spec.is_sparse(layer):
+            self.mlp = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size))
+        else:
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
@@ -444,22 +497,11 @@ class CausalLM(nn.Module):
         return self.lm_head(self.norm(x[logits_rows]))
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy weights named as in Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM."""
+        """Copy weights named as in Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM (and the
+        other supported architectures' own names)."""
         spec = self.spec
-
-        def take(name: str) -> torch.Tensor:
-            for key in (name, f"model.{name}"):
-                if key in state:
-                    return state.pop(key)
-            raise ModelError(f"checkpoint has no weight `{name}`")
-
-        def copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if param.shape != value.shape:
-                raise ModelError(f"weight `{name}` has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(value)
-
-        copy(self.embed_tokens.weight, take("embed_tokens.weight"), "embed_tokens.weight")
+        weights = WeightReader(state, ModelError)
+        weights.copy(self.embed_tokens.weight, "embed_tokens.weight")
         rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
 
         def reorder(value: torch.Tensor) -> torch.Tensor:
@@ -467,37 +509,35 @@ class CausalLM(nn.Module):
 
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             fused = p + "self_attn.qkv_proj.weight"  # Phi-3 stores q, k and v as one matrix, as we do
-            qkv = take(fused) if fused in state or "model." + fused in state else torch.cat(
-                [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            qkv = weights.take(fused) if weights.has(fused) else torch.cat(
+                [weights.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
             )
-            copy(attn.qkv_proj.weight, reorder(qkv), p + "self_attn.qkv_proj.weight")
+            weights.copy(attn.qkv_proj.weight, fused, reorder(qkv))
             if spec.qkv_bias:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                copy(attn.qkv_proj.bias, reorder(bias), p + "qkv bias")
-            copy(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+                bias = torch.cat([weights.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                weights.copy(attn.qkv_proj.bias, p + "qkv bias", reorder(bias))
+            weights.copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
             if spec.o_bias:
-                copy(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
-            fused = p + "mlp.gate_up_proj.weight"  # Phi-3: gate then up, as here
-            gate_up = take(fused) if fused in state or "model." + fused in state else torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-            )
-            copy(mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
-            copy(mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            if spec.mlp_bias:
-                copy(mlp.gate_up_proj.bias, torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]), p + "mlp bias")
-                copy(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+                weights.copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.load(p, weights)
+            else:
+                load_mlp(layer.mlp, p + "mlp.", weights)
             if spec.qk_norm:
                 for name in ("q_norm", "k_norm"):
-                    norm = take(p + f"self_attn.{name}.weight")
+                    norm = weights.take(p + f"self_attn.{name}.weight")
                     norm = norm if layout is None or norm.shape != layout.shape else norm[layout]
-                    copy(getattr(attn, name).weight, norm, p + f"self_attn.{name}.weight")
-            copy(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            copy(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
-        copy(self.norm.weight, take("norm.weight"), "norm.weight")
+                    weights.copy(getattr(attn, name).weight, p + f"self_attn.{name}.weight", norm)
+            weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
+            weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+        weights.copy(self.norm.weight, "norm.weight")
+        extra = next((key for key in state if ".experts." in key), None)
+        if extra is not None:  # every expert the config has was taken
+            raise ModelError(f"weight `{extra}`: the checkpoint has more experts than the config's {spec.num_experts}")
         if spec.tie_word_embeddings or "lm_head.weight" not in state:
             self.lm_head.weight = self.embed_tokens.weight
             state.pop("lm_head.weight", None)
         else:
-            copy(self.lm_head.weight, state.pop("lm_head.weight"), "lm_head.weight")
+            weights.copy(self.lm_head.weight, "lm_head.weight")

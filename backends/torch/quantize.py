@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .moe import ROUTERS, SparseMoE
+
 
 class FP16WeightLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight is packed as float16 for fbgemm."""
@@ -31,11 +33,12 @@ class FP16WeightLinear(nn.Module):
 
 
 def replace_linears(model: nn.Module, pack: Callable[[nn.Linear, str], nn.Module]) -> None:
-    """Replace every ``nn.Linear`` of the model (projections and LM head) in place by
-    ``pack(it, its attribute name)``."""
+    """Replace every ``nn.Linear`` of the model (projections, experts and LM head) in place by
+    ``pack(it, its attribute name)``; a mixture of experts' routers stay as they are
+    (:data:`.moe.ROUTERS`)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and not (isinstance(module, SparseMoE) and name in ROUTERS):
                 setattr(module, name, pack(child, name))
 
 

@@ -1,0 +1,97 @@
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) as plain torch modules.
+
+A router (``gate``) scores every expert for every token; each token runs through its
+``experts_per_token`` best experts, whose outputs are summed with the router's softmax weights
+(renormalised over the chosen ones where the config says so: Mixtral always, Qwen with
+``norm_topk_prob``). Qwen2-MoE adds a shared expert that every token runs through, scaled by a
+sigmoid gate. Numerics follow Hugging Face's implementation: the softmax in float32, the same
+top-k, experts added in ascending order into zeros, so greedy outputs match it token for token.
+
+The tokens of a step are grouped by expert once (one sort, one count read back to the host), so
+an expert's matmul runs over exactly the rows routed to it, however the batch mixes sequences.
+That read-back is why decode steps of MoE models are not captured into CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .weights import WeightReader, load_mlp
+
+if TYPE_CHECKING:
+    from .model import ModelSpec
+
+ROUTERS = ("gate", "shared_expert_gate")
+"""Attribute names of the routing projections. They stay in float32 under every weight format
+(a rounding there changes which experts a token reaches), as llama.cpp keeps a GGUF file's
+``ffn_gate_inp`` unquantized; they are a few thousand weights per layer."""
+
+
+class SparseMoE(nn.Module):
+    """One layer's experts and their router; ``expert(size)`` builds one expert's MLP."""
+
+    def __init__(self, spec: ModelSpec, expert: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = spec.num_experts, spec.experts_per_token
+        self.normalize = spec.normalize_routing
+        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.experts = nn.ModuleList(expert(spec.expert_size) for _ in range(spec.num_experts))
+        self.shared_expert = expert(spec.shared_expert_size) if spec.shared_expert_size else None
+        self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if spec.shared_expert_size else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts ``[n, top_k]`` (best first) and their weights, in ``x``'s dtype."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        flat = chosen.flatten()
+        # (token, slot) pairs grouped by expert; within an expert each token appears once, so the
+        # order of its rows changes no sum.
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        pair_weights = weights.flatten()
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            tokens = pairs // self.top_k
+            out.index_add_(0, tokens, self.experts[e](x[tokens]) * pair_weights[pairs, None])
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def load(self, prefix: str, state: WeightReader) -> None:
+        """Copy the block's weights from a Hugging Face checkpoint: the router, then the experts
+        one matrix each (``mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj``; Mixtral's
+        ``block_sparse_moe.experts.E.w1`` / ``w3`` / ``w2``) or as transformers 5 holds them in
+        memory (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), then the
+        shared expert and its gate."""
+        moe = prefix + ("block_sparse_moe." if state.has(prefix + "block_sparse_moe.gate.weight") else "mlp.")
+        state.copy(self.gate.weight, moe + "gate.weight")
+        if state.has(moe + "experts.gate_up_proj"):
+            gate_up, down = state.take(moe + "experts.gate_up_proj"), state.take(moe + "experts.down_proj")
+            if gate_up.shape[0] != self.num_experts or down.shape[0] != self.num_experts:
+                raise state.error(f"`{moe}experts` holds {gate_up.shape[0]} experts, the config {self.num_experts}")
+            for e, expert in enumerate(self.experts):
+                state.copy(expert.gate_up_proj.weight, f"{moe}experts.gate_up_proj[{e}]", gate_up[e])
+                state.copy(expert.down_proj.weight, f"{moe}experts.down_proj[{e}]", down[e])
+        else:
+            mixtral = state.has(f"{moe}experts.0.w1.weight")
+            names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            for e, expert in enumerate(self.experts):
+                load_mlp(expert, f"{moe}experts.{e}.", state, names)
+        if self.shared_expert is not None:
+            load_mlp(self.shared_expert, moe + "shared_expert.", state)
+            state.copy(self.shared_expert_gate.weight, moe + "shared_expert_gate.weight")

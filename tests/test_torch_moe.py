@@ -84,6 +84,10 @@ def test_int4_experts_give_transformers_output_on_the_rounded_weights(checkpoint
     try:
         moe = next(layer.mlp for layer in engine.model.layers if isinstance(layer.mlp, SparseMoE))
         assert all(isinstance(e.gate_up_proj, PackedLinear) and e.gate_up_proj.bits == 4 for e in moe.experts)
+        # Routed experts keep no fp16 copy (it would be 4x their int4 bytes): every row in C.
+        assert all(e.down_proj._fp16 is None for e in moe.experts)
+        if moe.shared_expert is not None:
+            assert moe.shared_expert.down_proj._fp16 is not None
         # The router stays float32 (a rounding there moves tokens to other experts), and the C
         # decoder, which knows dense MLPs only, is not used.
         assert type(moe.gate) is nn.Linear and moe.gate.weight.dtype == torch.float32

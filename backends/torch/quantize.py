@@ -32,18 +32,19 @@ class FP16WeightLinear(nn.Module):
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
 
-def replace_linears(model: nn.Module, pack: Callable[[nn.Linear, str], nn.Module]) -> None:
+def replace_linears(model: nn.Module, pack: Callable[[nn.Linear, str, bool], nn.Module]) -> None:
     """Replace every ``nn.Linear`` of the model (projections, experts and LM head) in place by
-    ``pack(it, its attribute name)``; a mixture of experts' routers stay as they are
-    (:data:`.moe.ROUTERS`)."""
+    ``pack(it, its attribute name, whether it belongs to a routed expert)``; a mixture of experts'
+    routers stay as they are (:data:`.moe.ROUTERS`)."""
+    routed = {id(m) for block in model.modules() if isinstance(block, SparseMoE) for m in block.experts.modules()}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and not (isinstance(module, SparseMoE) and name in ROUTERS):
-                setattr(module, name, pack(child, name))
+                setattr(module, name, pack(child, name, id(module) in routed))
 
 
 def pack_fp16_weights(model: nn.Module) -> None:
-    replace_linears(model, lambda linear, name: FP16WeightLinear(linear))
+    replace_linears(model, lambda linear, name, expert: FP16WeightLinear(linear))
 
 
 GROUP = 32
@@ -185,10 +186,13 @@ class PackedLinear(nn.Module):
     Small batches (decode steps) go through the C kernel: the activations are quantized per row to
     int16 and multiplied on integer units. Larger batches (prefill chunks, many sequences) use an
     fbgemm fp16 copy of the same packed values (rounded to float16, about 5e-4 relative), so both
-    paths compute with one set of weights.
+    paths compute with one set of weights. ``fp16_copy=False`` keeps no copy (4x the int4 bytes):
+    every batch goes through the C kernel, about 2.3x slower than fbgemm from 64 rows on. A mixture
+    of experts' routed experts are built so: they hold most of the model's weights, a decode step
+    reads only the few it routes to, and a prompt's rows spread over them.
     """
 
-    def __init__(self, linear: nn.Linear, bits: int = 8, group: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, bits: int = 8, group: int | None = None, fp16_copy: bool = True) -> None:
         super().__init__()
         from .native import kernels
 
@@ -202,7 +206,7 @@ class PackedLinear(nn.Module):
         self._bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
         self._bias_ptr = self._bias.data_ptr() if self._bias is not None else None
         self._w_ptr = self._packed.data_ptr()
-        self._fp16 = torch.ops.quantized.linear_prepack_fp16(self.weight().contiguous(), self._bias)
+        self._fp16 = torch.ops.quantized.linear_prepack_fp16(self.weight().contiguous(), self._bias) if fp16_copy else None
 
     def weight(self) -> torch.Tensor:
         """The float weight the packed values stand for."""
@@ -232,7 +236,7 @@ class PackedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > SMALL_BATCH:
+        if x.shape[0] > SMALL_BATCH and self._fp16 is not None:
             return torch.ops.quantized.linear_dynamic_fp16(x, self._fp16)
         return self.kernel_forward(x)
 
@@ -251,10 +255,10 @@ class PackedLinear(nn.Module):
 
 def pack_int8_weights(model: nn.Module) -> None:
     """``weight_format = "int8"``: every projection and the LM head at 8 bits."""
-    replace_linears(model, lambda linear, name: PackedLinear(linear, 8))
+    replace_linears(model, lambda linear, name, expert: PackedLinear(linear, 8, fp16_copy=not expert))
 
 
 def pack_int4_weights(model: nn.Module) -> None:
     """``weight_format = "int4"``: the decoder's projections at 4 bits, the LM head at 8 (as GGUF
     files keep their output and embedding tensors at higher precision)."""
-    replace_linears(model, lambda linear, name: PackedLinear(linear, 8 if name == "lm_head" else 4))
+    replace_linears(model, lambda linear, name, expert: PackedLinear(linear, 8 if name == "lm_head" else 4, fp16_copy=not expert))

@@ -137,8 +137,7 @@ class TorchEngine:
         self._block_bytes = per_block
         # A sequence can never be longer than the whole cache.
         self.max_model_len = min(options.max_model_len, spec.context_length, pool_blocks * options.block_size)
-        model = CausalLM(spec, self.max_model_len)
-        model.load_hf_state_dict(checkpoint.weights)
+        model = CausalLM.from_state_dict(spec, self.max_model_len, checkpoint.weights)
         checkpoint.weights.clear()
         self.model = model.to(device=options.device, dtype=options.dtype).eval()
         if options.weight_format == "fp16":

@@ -486,6 +486,21 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = Rotary(spec, max_len)
 
+    @classmethod
+    def from_state_dict(cls, spec: ModelSpec, max_len: int, state: dict[str, torch.Tensor]) -> "CausalLM":
+        """The model with copies of ``state``'s tensors as its weights (taken out of ``state``).
+        Built on the meta device first, so that no memory is allocated and randomly initialised
+        for weights about to be replaced (for the bundled SmolLM2 that initialisation was most of
+        a load's time)."""
+        with torch.device("meta"):
+            model = cls(spec, 1)
+        model.rotary = Rotary(spec, max_len)  # computed, not loaded
+        model.load_hf_state_dict(state)
+        missing = [name for name, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise ModelError(f"checkpoint has no weight `{missing[0]}`")
+        return model
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
     ) -> torch.Tensor:
@@ -500,7 +515,7 @@ class CausalLM(nn.Module):
         """Copy weights named as in Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM (and the
         other supported architectures' own names)."""
         spec = self.spec
-        weights = WeightReader(state, ModelError)
+        weights = WeightReader(state, ModelError, self)
         weights.copy(self.embed_tokens.weight, "embed_tokens.weight")
         rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
 

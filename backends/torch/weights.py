@@ -10,11 +10,18 @@ from torch import nn
 
 class WeightReader:
     """A checkpoint's tensors by Hugging Face name (with or without the ``model.`` prefix),
-    each taken once, copied into parameters with their shapes checked."""
+    each taken once (dropped from ``state``), put into ``model``'s parameters with their shapes
+    checked.
 
-    def __init__(self, state: dict[str, torch.Tensor], error: Callable[[str], Exception]) -> None:
+    A parameter on the meta device (a model built without memory of its own) becomes the tensor
+    in the parameter's dtype (a copy of one read from the file); any other is copied into. A meta-built model skips the
+    allocation and random initialisation of weights about to be overwritten."""
+
+    def __init__(self, state: dict[str, torch.Tensor], error: Callable[[str], Exception], model: nn.Module) -> None:
         self.state = state
         self.error = error
+        self._owners = {id(p): (m, name) for m in model.modules() for name, p in m.named_parameters(recurse=False)}
+        self._read = {t.untyped_storage().data_ptr() for t in state.values()}  # the file's own tensors
 
     def keys(self) -> list[str]:
         return list(self.state)
@@ -33,6 +40,15 @@ class WeightReader:
         value = self.take(name) if value is None else value
         if param.shape != value.shape:
             raise self.error(f"weight `{name}` has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+        if param.is_meta:
+            module, attr = self._owners[id(param)]
+            # A tensor read from a safetensors file (or a view of one) is copied: it views the
+            # file's mapping, which would stay mapped (and break if the file were rewritten) while
+            # a parameter held it. Tensors made while loading (fused q/k/v, gate/up) are kept.
+            read = value.untyped_storage().data_ptr() in self._read
+            value = value.to(param.dtype, memory_format=torch.contiguous_format, copy=read)
+            setattr(module, attr, nn.Parameter(value, requires_grad=False))
+            return
         with torch.no_grad():
             param.copy_(value)
 

@@ -156,8 +156,13 @@ def test_experts_named_as_transformers_5_holds_them_load_the_same(checkpoints, a
     from backends.torch.loader import load_checkpoint
 
     checkpoint = load_checkpoint(checkpoints[arch])
-    on_disk = CausalLM(checkpoint.spec, 64)
-    on_disk.load_hf_state_dict(dict(checkpoint.weights))
+    read = {t.untyped_storage().data_ptr() for t in checkpoint.weights.values()}
+    # Built on the meta device, each parameter given its tensor (the engine's way) ...
+    on_disk = CausalLM.from_state_dict(checkpoint.spec, 64, dict(checkpoint.weights))
+    assert not any(p.is_meta for p in on_disk.parameters())
+    # ... never a view of the file's mapping (which a rewrite of the file would break).
+    assert not any(p.untyped_storage().data_ptr() in read for p in on_disk.parameters())
+    # ... and copied into an ordinary model's parameters.
     stacked = CausalLM(checkpoint.spec, 64)
     state = {k: v.clone() for k, v in _hf_model(checkpoints[arch]).state_dict().items()}
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
@@ -165,6 +170,10 @@ def test_experts_named_as_transformers_5_holds_them_load_the_same(checkpoints, a
     theirs = dict(stacked.named_parameters())
     for name, p in on_disk.named_parameters():
         assert torch.equal(p, theirs[name]), name
+
+    incomplete = {k: v for k, v in checkpoint.weights.items() if k != "model.norm.weight"}
+    with pytest.raises(ModelError, match="checkpoint has no weight `norm.weight`"):
+        CausalLM.from_state_dict(checkpoint.spec, 64, incomplete)
 
     bad = {k: v.clone() for k, v in checkpoint.weights.items()}
     for key in [k for k in bad if ".experts.3." in k]:

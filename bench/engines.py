@@ -12,6 +12,7 @@ process, one after the other, so peak RSS is per engine and no two compete for t
     .venv/bin/python bench/engines.py                        # levels 1,8,32,64, 64 tokens
     .venv/bin/python bench/engines.py --levels 1,8 --max-tokens 16 --skip hf
     .venv/bin/python bench/engines.py --device cuda --json gpu.json
+    .venv/bin/python bench/engines.py --model /tmp/moe --skip llamacpp   # another model: a HF folder
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help=f"engines to leave out, comma-separated: {','.join(ENGINES)}")
     p.add_argument("--json", type=Path, default=None, help="also save every number (and machine info) here")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a Hugging Face folder to run instead of the bundled SmolLM2 (generate() and torch only; "
+                        "bench/moe_checkpoint.py writes a random mixture of experts)")
     args = p.parse_args(argv)
     unknown = set(args.skip) - set(ENGINES)
     if unknown:
@@ -79,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--torch-weights {args.torch_weights} is a CPU option; use native on cuda")
     if args.bandwidth_gbs is None and args.device == "cuda":
         args.bandwidth_gbs = 4800.0
+    if args.model is not None:
+        if "llamacpp" not in args.skip:
+            p.error("--model runs generate() and the torch engine only: add --skip llamacpp")
+        if not (args.model / "config.json").is_file():
+            p.error(f"--model {args.model}: no config.json (a Hugging Face folder is expected)")
+        args.model = args.model.resolve()
     return args
 
 
@@ -96,7 +106,8 @@ def router_config(engine: str, args: argparse.Namespace) -> str:
         lines.append(f'kv_cache_dtype = "{args.kv_cache_dtype}"')
         if args.no_cuda_graphs:
             lines.append("cuda_graphs = false")
-    return "\n".join(["[[models]]", f'name = "{MODEL_NAME[engine]}"', f'path = "{GGUF}"', *lines, ""])
+    path = args.model or GGUF if engine == "torch" else GGUF
+    return "\n".join(["[[models]]", f'name = "{MODEL_NAME[engine]}"', f'path = "{path}"', *lines, ""])
 
 
 def worker(*argv: str) -> None:
@@ -211,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     try:
         prep = workdir / "prepare.json"
-        if {"hf", "torch"} & set(engines):
+        if args.model is not None:
+            worker("prepare", "--folder", str(args.model), "--out", str(prep))
+        elif {"hf", "torch"} & set(engines):
             log("preparing the Hugging Face folder from the GGUF (about 40 s the first time)")
             worker("prepare", "--out", str(prep))
         prepared = json.loads(prep.read_text()) if prep.exists() else {}
@@ -229,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     table_ratios = ratios(results, args.levels)
     bound = bandwidth_bound(results, args, prepared.get("params", 0))
     sections = [
-        f"SmolLM2-135M-Instruct, {args.max_tokens} tokens per request, device {args.device}, "
+        f"{args.model or 'SmolLM2-135M-Instruct'}, {args.max_tokens} tokens per request, device {args.device}, "
         f"{os.cpu_count()} CPUs",
         report.levels_table(results, args.levels),
         "Ratios\n" + report.ratios_table(table_ratios),
@@ -244,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": shlex.join([sys.executable, *sys.argv]),
             "machine": machine_info(args),
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "model": {"gguf": GGUF, **{k: v for k, v in prepared.items() if k != "gguf"}},
+            "model": {"gguf": None if args.model else GGUF, **{k: v for k, v in prepared.items() if k != "gguf"}},
             "results": results,
             "ratios": {str(c): {k: (a / b if a and b else None) for k, (a, b) in r.items()} for c, r in table_ratios.items()},
             "bandwidth_bound": bound,

@@ -2,9 +2,10 @@
 
 Run by ``engines.py`` as a subprocess so that its peak RSS is its own. Two commands:
 
-``prepare --out F``: the Hugging Face folder the torch backend converts the bundled GGUF into
-(converted once, cached), and its parameter count; done here so that no measured process pays
-for the conversion.
+``prepare [--folder D] --out F``: the Hugging Face folder the torch backend converts the bundled
+GGUF into (converted once, cached), or ``D``, and the parameters one decode step of a sequence
+reads (a mixture of experts: its chosen experts only); done here so that no measured process
+pays for the conversion.
 
 ``run --folder D --device cpu ... --out F``: load the folder with transformers and serve each
 concurrency level c the only way ``generate()`` serves c requests at once: static batches of c
@@ -47,12 +48,26 @@ def safetensors_params(folder: Path) -> int:
     return total
 
 
-def prepare(out: Path) -> None:
+def idle_expert_params(folder: Path) -> int:
+    """Parameters of the experts a token does not reach: per sparse layer, all but
+    ``num_experts_per_tok`` experts' gate, up and down matrices (0 for a dense model)."""
+    from transformers import AutoConfig
+
+    from backends.torch.model import ModelSpec
+
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    sparse = sum(spec.is_sparse(i) for i in range(spec.num_layers))
+    return sparse * (spec.num_experts - spec.experts_per_token) * 3 * spec.hidden_size * spec.expert_size
+
+
+def prepare(out: Path, folder: Path | None = None) -> None:
     from backends.torch.loader import gguf_folder
     from router.config import resolve_path
 
-    folder = gguf_folder(resolve_path(GGUF))
-    out.write_text(json.dumps({"gguf": GGUF, "folder": str(folder), "params": safetensors_params(folder)}))
+    gguf = None if folder else GGUF
+    folder = folder or gguf_folder(resolve_path(GGUF))
+    params = safetensors_params(folder) - idle_expert_params(folder)
+    out.write_text(json.dumps({"gguf": gguf, "folder": str(folder), "params": params}))
 
 
 def _log(msg: str) -> None:
@@ -127,6 +142,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--folder", type=Path, default=None)
     r = sub.add_parser("run")
     r.add_argument("--folder", required=True)
     r.add_argument("--device", default="cpu")
@@ -136,7 +152,7 @@ def main() -> None:
     r.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.command == "prepare":
-        prepare(args.out)
+        prepare(args.out, args.folder)
     else:
         run(args)
 

@@ -5,9 +5,8 @@ RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
 attention over the paged KV cache (sliding windows on all or some layers), Qwen3's per-head
 query and key norms, SwiGLU (or a mixture of SwiGLU experts: :mod:`.moe`), tied or untied
-embeddings. Every forward pass works on a flat batch
-of tokens from many sequences at once (continuous batching); :mod:`.attention` knows which
-tokens belong to whom.
+embeddings. Every forward pass works on a flat batch of tokens from many sequences at once
+(continuous batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
 """
 

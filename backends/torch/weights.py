@@ -14,17 +14,15 @@ class WeightReader:
     checked.
 
     A parameter on the meta device (a model built without memory of its own) becomes the tensor
-    in the parameter's dtype (a copy of one read from the file); any other is copied into. A meta-built model skips the
-    allocation and random initialisation of weights about to be overwritten."""
+    in the parameter's dtype (a copy of one read from the file); any other is copied into. A
+    meta-built model skips the allocation and random initialisation of weights about to be
+    overwritten."""
 
     def __init__(self, state: dict[str, torch.Tensor], error: Callable[[str], Exception], model: nn.Module) -> None:
         self.state = state
         self.error = error
         self._owners = {id(p): (m, name) for m in model.modules() for name, p in m.named_parameters(recurse=False)}
         self._read = {t.untyped_storage().data_ptr() for t in state.values()}  # the file's own tensors
-
-    def keys(self) -> list[str]:
-        return list(self.state)
 
     def has(self, name: str) -> bool:
         return name in self.state or f"model.{name}" in self.state

@@ -106,7 +106,7 @@ def router_config(engine: str, args: argparse.Namespace) -> str:
         lines.append(f'kv_cache_dtype = "{args.kv_cache_dtype}"')
         if args.no_cuda_graphs:
             lines.append("cuda_graphs = false")
-    path = args.model or GGUF if engine == "torch" else GGUF
+    path = (args.model or GGUF) if engine == "torch" else GGUF
     return "\n".join(["[[models]]", f'name = "{MODEL_NAME[engine]}"', f'path = "{path}"', *lines, ""])
 
 

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from backends.torch.lora import AdapterError, load_adapter
-from backends.torch.model import CausalLM, ModelError, ModelSpec
+from backends.torch.model import MLP, CausalLM, ModelError, ModelSpec
 from backends.torch.moe import SparseMoE
+from backends.torch.weights import WeightReader
 from backends.torch.quantize import PackedLinear, pack_weight, unpack_weight
 from test_torch_engine import engine_for, generate, generate_all, random_prompts, run
 from torch_models import _hf_model, hf_greedy, merged_checkpoint, tiny_checkpoint, write_lora
@@ -133,6 +134,57 @@ def test_which_layers_are_mixtures_of_experts(arch, changes, sparse, normalize, 
     assert [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoE)] == sparse
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch,changes", [
+    ("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8, "norm_topk_prob": True}),  # Qwen3-30B-A3B's top-8
+    ("qwen2_moe", {"num_experts": 8, "num_experts_per_tok": 4, "shared_expert_intermediate_size": 96}),
+    ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2}),  # routing weights kept in float32
+])
+def test_a_sparse_block_gives_transformers_bits(arch, changes, dtype):
+    # transformers' own block as from_pretrained builds it (its grouped experts), on 512 tokens:
+    # each (token, slot) output kept apart, summed once per token. Adding them into zeros expert
+    # by expert instead moves about half the elements at top-8 (in float32 too, by ~1e-7).
+    import importlib
+
+    config = AutoConfig_for(arch, hidden_size=256, intermediate_size=128, moe_intermediate_size=128, **changes)
+    config._experts_implementation = "grouped_mm"  # what from_pretrained picks; a bare block has none
+    module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    block_type = next(getattr(module, name) for name in dir(module) if name.endswith("SparseMoeBlock"))
+    torch.manual_seed(0)
+    theirs = block_type(config)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.05)
+    spec = ModelSpec.from_hf_config(config)
+    ours = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size))
+    state = {"layers.0.mlp." + k: v.detach().clone() for k, v in theirs.state_dict().items()}
+    ours.load("layers.0.", WeightReader(state, ModelError, ours))
+    assert not state  # every tensor taken
+    theirs, ours = theirs.to(dtype), ours.to(dtype)
+    x = torch.randn(512, 256).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x[None])[0])
+
+
+def AutoConfig_for(arch, **changes):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(arch, vocab_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                **changes)
+
+
+def test_qwen3_moe_slides_on_every_layer_with_use_sliding_window():
+    # Its config has no layer_types and no max_window_layers rule: transformers slides every
+    # layer when use_sliding_window is on, and drops the window when it is off.
+    on = ModelSpec.from_hf_config(_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                          use_sliding_window=True, sliding_window=8, max_window_layers=2))
+    assert [on.window_of(i) for i in range(6)] == [8] * 6
+    from transformers import AutoConfig
+
+    off = AutoConfig.for_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, sliding_window=8)
+    assert ModelSpec.from_hf_config(off).sliding_window is None
+
+
 def test_qwen_moe_attention_as_transformers_builds_it():
     qwen2 = ModelSpec.from_hf_config(_config("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
     qwen3 = ModelSpec.from_hf_config(_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
@@ -227,7 +279,8 @@ def test_attention_adapters_on_a_mixture_of_experts_match_transformers_merged(ch
 @pytest.mark.parametrize("key,message", [
     ("layers.1.mlp.gate_proj", "layer 1's feed-forward block is a mixture of experts, which has no `gate_proj`"),
     ("layers.1.mlp.down_proj", "layer 1's feed-forward block is a mixture of experts, which has no `down_proj`"),
-    ("layers.1.mlp.experts.0.up_proj", "the experts of a mixture of experts cannot be adapted"),
+    ("layers.1.mlp.experts.0.up_proj", "the experts, shared expert and router of a mixture of experts cannot be adapted"),
+    ("layers.1.mlp.gate", "the experts, shared expert and router of a mixture of experts cannot be adapted"),
 ])
 def test_adapters_of_experts_are_refused_by_name(checkpoints, tmp_path, key, message):
     from safetensors.torch import load_file, save_file

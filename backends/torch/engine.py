@@ -126,6 +126,10 @@ class TorchEngine:
         if options.device.type == "cuda":
             # Streams, graph captures and synchronizations of this thread use the current device.
             torch.cuda.set_device(options.device)
+        if spec.is_moe and options.decode_graphs == "capture":
+            # Routing reads each expert's token count back to the host: nothing a graph can hold.
+            log.info("torch engine: a mixture of experts; decode steps run eagerly (no CUDA graphs)")
+            options.decode_graphs = "off"
         kv_dtype = options.kv_dtype or options.dtype
         per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         num_blocks = max(1, options.kv_cache_bytes // per_block)
@@ -137,7 +141,7 @@ class TorchEngine:
         self._block_bytes = per_block
         # A sequence can never be longer than the whole cache.
         self.max_model_len = min(options.max_model_len, spec.context_length, pool_blocks * options.block_size)
-        model = CausalLM.from_state_dict(spec, self.max_model_len, checkpoint.weights)
+        model = CausalLM.from_state_dict(spec, self.max_model_len, checkpoint.weights, options.dtype)
         checkpoint.weights.clear()
         self.model = model.to(device=options.device, dtype=options.dtype).eval()
         if options.weight_format == "fp16":

@@ -41,6 +41,9 @@ class AdapterError(ValueError):
 
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+# A mixture of experts' own modules: experts, shared expert, router (Qwen's mlp.gate, Mixtral's
+# block_sparse_moe.gate).
+_MOE_KEY = re.compile(r"\.(?:experts|shared_expert|shared_expert_gate|block_sparse_moe)\.|\.mlp\.gate\.lora_")
 _UNSUPPORTED = {
     "use_dora": "DoRA (`use_dora`)",
     "modules_to_save": "`modules_to_save` (fully trained extra modules)",
@@ -118,9 +121,10 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     except Exception as exc:  # noqa: BLE001 - safetensors' own error type, OSError: the file is unreadable
         raise fail(f"adapter_model.safetensors cannot be read: {exc}") from None
     for key, tensor in weights.items():
+        if spec.is_moe and _MOE_KEY.search(key):
+            raise fail(f"weight `{key}`: the experts, shared expert and router of a mixture of experts cannot be "
+                       "adapted (attention's projections can)")
         m = _KEY.search(key)
-        if m is None and ".experts." in key:
-            raise fail(f"weight `{key}`: the experts of a mixture of experts cannot be adapted (attention's projections can)")
         if m is None:
             raise fail(f"weight `{key}`: only the layers' projections can be adapted (q/k/v/o, gate/up/down)")
         layer, module, side = int(m.group(1)), m.group(2), m.group(3)

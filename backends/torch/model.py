@@ -61,6 +61,7 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_size: int = 0  # one expert's intermediate size (Qwen: moe_intermediate_size)
     normalize_routing: bool = False  # the chosen experts' weights renormalised to sum to 1
+    float_routing_weights: bool = False  # Mixtral: the weights stay float32 (the Qwens: the model's dtype)
     shared_expert_size: int = 0  # Qwen2-MoE: an expert every token runs through, gated by a sigmoid
     # Layers of a MoE model with a plain MLP of intermediate_size instead (Qwen's mlp_only_layers
     # and decoder_sparse_step).
@@ -220,17 +221,18 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
         raise ModelError(f"num_experts_per_tok {top_k} must be from 1 to the number of experts, {experts}")
     shared = getattr(cfg, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
     return dict(num_experts=experts, experts_per_token=top_k, expert_size=size, normalize_routing=normalize,
-                shared_expert_size=shared or 0, dense_layers=dense)
+                float_routing_weights=model_type == "mixtral", shared_expert_size=shared or 0, dense_layers=dense)
 
 
 def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
     """The window and the layers that use it, as transformers decides them: Mistral, Mixtral and
-    Phi-3 slide on every layer; the Qwens only with ``use_sliding_window``, on the layers
+    Phi-3 slide on every layer, and Qwen3-MoE does with ``use_sliding_window`` (its config drops
+    the window without it); the other Qwens only with ``use_sliding_window``, on the layers
     ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Llama never."""
     window = getattr(cfg, "sliding_window", None)
     if model_type == "llama" or not window:
         return None, None
-    if model_type in ("mistral", "phi3", "mixtral"):
+    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return int(window), None
     if not getattr(cfg, "use_sliding_window", False):
         return None, None
@@ -486,13 +488,15 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(spec, max_len)
 
     @classmethod
-    def from_state_dict(cls, spec: ModelSpec, max_len: int, state: dict[str, torch.Tensor]) -> "CausalLM":
-        """The model with copies of ``state``'s tensors as its weights (taken out of ``state``).
-        Built on the meta device first, so that no memory is allocated and randomly initialised
-        for weights about to be replaced (for the bundled SmolLM2 that initialisation was most of
-        a load's time)."""
+    def from_state_dict(
+        cls, spec: ModelSpec, max_len: int, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> "CausalLM":
+        """The model with ``state``'s tensors as its weights, in ``dtype`` (taken out of
+        ``state``). Built on the meta device first, so that no memory is allocated and randomly
+        initialised for weights about to be replaced, and a bfloat16 checkpoint for a bfloat16
+        model is never widened to float32 on the way."""
         with torch.device("meta"):
-            model = cls(spec, 1)
+            model = cls(spec, 1).to(dtype)
         model.rotary = Rotary(spec, max_len)  # computed, not loaded
         model.load_hf_state_dict(state)
         missing = [name for name, p in model.named_parameters() if p.is_meta]

@@ -4,8 +4,10 @@ A router (``gate``) scores every expert for every token; each token runs through
 ``experts_per_token`` best experts, whose outputs are summed with the router's softmax weights
 (renormalised over the chosen ones where the config says so: Mixtral always, Qwen with
 ``norm_topk_prob``). Qwen2-MoE adds a shared expert that every token runs through, scaled by a
-sigmoid gate. Numerics follow Hugging Face's implementation: the softmax in float32, the same
-top-k, experts added in ascending order into zeros, so greedy outputs match it token for token.
+sigmoid gate. Numerics follow Hugging Face's implementation (transformers 5's grouped experts,
+what ``from_pretrained`` runs): the softmax in float32, the same top-k, each (token, slot)
+pair's weighted output kept apart and the slots summed once per token, Mixtral's weights in
+float32 and the Qwens' in the model's dtype, so greedy outputs match it token for token.
 
 The tokens of a step are grouped by expert once (one sort, one count read back to the host), so
 an expert's matmul runs over exactly the rows routed to it, however the batch mixes sequences.
@@ -38,36 +40,39 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = spec.num_experts, spec.experts_per_token
         self.normalize = spec.normalize_routing
+        self.float_weights = spec.float_routing_weights
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
         self.experts = nn.ModuleList(expert(spec.expert_size) for _ in range(spec.num_experts))
         self.shared_expert = expert(spec.shared_expert_size) if spec.shared_expert_size else None
         self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if spec.shared_expert_size else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's chosen experts ``[n, top_k]`` (best first) and their weights, in ``x``'s dtype."""
+        """Each token's chosen experts ``[n, top_k]`` (best first) and their weights: float32
+        (Mixtral) or ``x``'s dtype (the Qwens), as transformers keeps them."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), chosen
+        return (weights if self.float_weights else weights.to(x.dtype)), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
-        out = torch.zeros_like(x)
         flat = chosen.flatten()
-        # (token, slot) pairs grouped by expert; within an expert each token appears once, so the
-        # order of its rows changes no sum.
+        # (token, slot) pairs grouped by expert: each expert's rows in one matmul.
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         pair_weights = weights.flatten()
+        # Every pair's output in its own row (each pair has one expert, so each row is written),
+        # then summed over a token's slots at once and rounded once, as transformers does.
+        slots = x.new_empty(flat.numel(), x.shape[-1], dtype=torch.promote_types(x.dtype, weights.dtype))
         start = 0
         for e, count in enumerate(counts):
             if not count:
                 continue
             pairs = order[start : start + count]
             start += count
-            tokens = pairs // self.top_k
-            out.index_add_(0, tokens, self.experts[e](x[tokens]) * pair_weights[pairs, None])
+            slots[pairs] = self.experts[e](x[pairs // self.top_k]) * pair_weights[pairs, None]
+        out = slots.view(-1, self.top_k, x.shape[-1]).sum(dim=1).to(x.dtype)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -82,8 +87,9 @@ class SparseMoE(nn.Module):
         state.copy(self.gate.weight, moe + "gate.weight")
         if state.has(moe + "experts.gate_up_proj"):
             gate_up, down = state.take(moe + "experts.gate_up_proj"), state.take(moe + "experts.down_proj")
-            if gate_up.shape[0] != self.num_experts or down.shape[0] != self.num_experts:
-                raise state.error(f"`{moe}experts` holds {gate_up.shape[0]} experts, the config {self.num_experts}")
+            for stacked in (gate_up, down):
+                if stacked.shape[0] != self.num_experts:
+                    raise state.error(f"`{moe}experts` holds {stacked.shape[0]} experts, the config {self.num_experts}")
             for e, expert in enumerate(self.experts):
                 state.copy(expert.gate_up_proj.weight, f"{moe}experts.gate_up_proj[{e}]", gate_up[e])
                 state.copy(expert.down_proj.weight, f"{moe}experts.down_proj[{e}]", down[e])

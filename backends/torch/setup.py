@@ -68,10 +68,6 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) ->
         adapter_bytes = sum(f.stat().st_size for f in files if f.is_file())
         options.kv_cache_bytes = kv_budget(config, device, dtype, checkpoint, adapter_bytes)
         options.max_model_len = config.max_model_len or checkpoint.spec.context_length
-        if checkpoint.spec.is_moe and options.decode_graphs == "capture":
-            # Routing reads each expert's token count back to the host: nothing a graph can hold.
-            log.info("torch engine: a mixture of experts; decode steps run eagerly (no CUDA graphs)")
-            options.decode_graphs = "off"
         return checkpoint
 
     options = EngineOptions(

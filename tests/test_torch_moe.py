@@ -146,7 +146,7 @@ def test_a_sparse_block_gives_transformers_bits(arch, changes, dtype):
     # by expert instead moves about half the elements at top-8 (in float32 too, by ~1e-7).
     import importlib
 
-    config = AutoConfig_for(arch, hidden_size=256, intermediate_size=128, moe_intermediate_size=128, **changes)
+    config = _config(arch, hidden_size=256, intermediate_size=128, moe_intermediate_size=128, **changes)
     config._experts_implementation = "grouped_mm"  # what from_pretrained picks; a bare block has none
     module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
     block_type = next(getattr(module, name) for name in dir(module) if name.endswith("SparseMoeBlock"))
@@ -164,13 +164,6 @@ def test_a_sparse_block_gives_transformers_bits(arch, changes, dtype):
     x = torch.randn(512, 256).to(dtype)
     with torch.no_grad():
         assert torch.equal(ours(x), theirs(x[None])[0])
-
-
-def AutoConfig_for(arch, **changes):
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(arch, vocab_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                **changes)
 
 
 def test_qwen3_moe_slides_on_every_layer_with_use_sliding_window():

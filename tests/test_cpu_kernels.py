@@ -280,6 +280,28 @@ def test_silu_mul_quantize(k):
     assert q[:, inter:].eq(0).all()
 
 
+def test_gelu_tanh_mul_quantize(k):
+    """GeGLU (Gemma): gelu(gate, approximate="tanh") * up, written as SiLU's form (see the C
+    comment); the float row before quantizing (``tmp``, the last row's) within a few float32
+    ulps of torch's, the vector loop (the first 80) and the scalar tail (the last 3) alike, also
+    where the exponential saturates. Below about -5 torch's 1 + tanh(u) cancels to 0 where this
+    form keeps a value under 2e-7: the absolute tolerance."""
+    torch.manual_seed(6)
+    inter, kp = 83, 96
+    gate = torch.cat([torch.randn(3, inter) * 3, torch.linspace(-60, 60, inter)[None], torch.full((1, inter), -1e4)])
+    gate[4, ::2] = 1e4
+    up = torch.randn(gate.shape[0], inter)
+    for row in range(gate.shape[0]):
+        gu = torch.cat([gate[row], up[row]])[None].contiguous()
+        q = torch.empty(1, kp, dtype=torch.int16)
+        dq, tmp = torch.empty(1), torch.empty(inter)
+        k.gelu_tanh_mul_quantize(gu.data_ptr(), 1, inter, 2 * inter, tmp.data_ptr(), kp, q.data_ptr(), dq.data_ptr())
+        want = F.gelu(gate[row], approximate="tanh") * up[row]
+        torch.testing.assert_close(tmp, want, rtol=2e-6, atol=2e-7)
+        torch.testing.assert_close(q[0, :inter].float() * dq, want, rtol=0, atol=float(dq) * 0.51 + 1e-5)
+        assert q[0, inter:].eq(0).all()
+
+
 KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -356,7 +378,7 @@ def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads
         qkv.data_ptr(), m, qkv.shape[1], heads, kv_heads, dim, positions.data_ptr(),
         rotary.cos.data_ptr(), rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot.data_ptr(), table_t.data_ptr(), width, tab_of.data_ptr(), len_t.data_ptr(), bs, window or 0,
-        dim**-0.5, context, native.KV_KINDS[kv], out.data_ptr(),
+        dim**-0.5, 0.0, context, native.KV_KINDS[kv], out.data_ptr(),
     )
     assert_cache_written(k_cache, ref_k, v_cache, ref_v)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
@@ -374,9 +396,11 @@ def test_decode_attention_matches_rotary_cache_write_and_sdpa(k, heads, kv_heads
 )
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, bs, window, sequences, kv):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, bs, window, sequences, kv, softcap):
     """A prompt chunk is a row per token over one shared block table: each token attends to the
-    cached prefix and to the chunk's tokens up to itself, whatever the other rows of the step."""
+    cached prefix and to the chunk's tokens up to itself, whatever the other rows of the step.
+    ``softcap``: Gemma 2's cap on the scores (1.5: most of these scores are capped hard)."""
     torch.manual_seed(dim + len(sequences))
     rotary = Rotary(spec(heads, kv_heads, dim, window), 256)
     blocks_per_seq = [-(-(c + n) // bs) for c, n in sequences]
@@ -411,8 +435,10 @@ def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, 
         seen = torch.tensor([slot_of(j, i) for i in range(first, p + 1)])
         for h in range(heads):
             kvh = h // (heads // kv_heads)
-            weights = torch.softmax(ref_k[seen, kvh].float() @ qk[r, h] * dim**-0.5, dim=0)
-            want[r, h] = weights @ ref_v[seen, kvh].float()
+            scores = ref_k[seen, kvh].float() @ qk[r, h] * dim**-0.5
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            want[r, h] = torch.softmax(scores, dim=0) @ ref_v[seen, kvh].float()
 
     out = torch.empty(m, heads * dim)
     lengths = torch.tensor(positions) + 1
@@ -421,7 +447,7 @@ def test_step_attention_is_causal_within_prompt_chunks(k, heads, kv_heads, dim, 
         qkv.data_ptr(), m, qkv.shape[1], heads, kv_heads, dim, pos_t.data_ptr(),
         rotary.cos.data_ptr(), rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot.data_ptr(), table_t.data_ptr(), width, tab_t.data_ptr(), lengths.data_ptr(), bs, window or 0,
-        dim**-0.5, int(lengths.max()), native.KV_KINDS[kv], out.data_ptr(),
+        dim**-0.5, softcap or 0.0, int(lengths.max()), native.KV_KINDS[kv], out.data_ptr(),
     )
     assert_cache_written(k_cache, ref_k, v_cache, ref_v)
     torch.testing.assert_close(out, want.view(m, heads * dim), rtol=1e-4, atol=1e-5)
@@ -462,7 +488,7 @@ def test_16_bit_caches_round_as_torch_does(k, kv):
     assert k.decode_attention(
         qkv.data_ptr(), m, 3 * dim, 1, 1, dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(), table.data_ptr(), 1, rows.data_ptr(),
-        lengths.data_ptr(), 1, 0, dim**-0.5, 1, native.KV_KINDS[kv], out.data_ptr(),
+        lengths.data_ptr(), 1, 0, dim**-0.5, 0.0, 1, native.KV_KINDS[kv], out.data_ptr(),
     )
     got, want = v_cache.view(-1), v.to(kv)
     nan = want.isnan()
@@ -506,7 +532,7 @@ def test_a_rows_attention_has_the_same_bits_alone_and_in_a_batch(k, kv, window):
         assert k.decode_attention(
             x.data_ptr(), len(rows), x.shape[1], heads, kv_heads, dim, pos.data_ptr(), rotary.cos.data_ptr(),
             rotary.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), sl.data_ptr(), table.data_ptr(), width,
-            tab_of.data_ptr(), lens.data_ptr(), bs, window or 0, dim**-0.5, int(lens.max()), native.KV_KINDS[kv],
+            tab_of.data_ptr(), lens.data_ptr(), bs, window or 0, dim**-0.5, 0.0, int(lens.max()), native.KV_KINDS[kv],
             out.data_ptr(),
         )
         return out

@@ -60,6 +60,26 @@ def generate_all(engine, prompts, n):
     return [out for out, _ in run(all_at_once())]
 
 
+def small_steps_engine(folder, **options):
+    """An engine of 16-token steps over blocks of 4: prompt chunks and decode rows share steps."""
+    return engine_for(folder, block_size=4, max_batched_tokens=16, **options)
+
+
+def assert_greedy_matches_transformers(folder):
+    """Four prompts (5 to 40 tokens) of a float32 engine in small steps, one alone and all four in
+    one batch: 20 greedy tokens each, transformers' own."""
+    engine = small_steps_engine(folder)
+    try:
+        prompts = random_prompts(1, (5, 23, 40, 11))
+        alone, _ = run(generate(engine, prompts[1], 20))
+        batched = generate_all(engine, prompts, 20)
+    finally:
+        run(engine.stop())
+    assert alone == hf_greedy(folder, prompts[1], 20)
+    for ours, p in zip(batched, prompts):
+        assert ours == hf_greedy(folder, p, 20)
+
+
 @pytest.fixture(scope="module")
 def smol():
     engine = engine_for(smollm2_folder())

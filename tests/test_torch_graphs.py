@@ -50,12 +50,16 @@ def test_buckets():
     assert block_buckets(13) == [1, 2, 4, 8, 13]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen3", "phi3-longrope"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen3", "phi3-longrope", "gemma2", "gemma3"]
+)
 def test_static_decode_matches_transformers_in_a_padded_batch(tmp_path, arch):
     # 5 sequences (padded to 8 rows), contexts from 5 to 60 tokens in blocks of 4 (buckets of
     # 2 to 16 blocks); mistral's sliding window of 8 masks inside the padded context (qwen2-window:
     # on one layer, the other attends to all of it); phi3-longrope: a partial rotary whose
-    # factors change past 32 positions (prompts within them, transformers one token at a time).
+    # factors change past 32 positions (prompts within them, transformers one token at a time);
+    # gemma2: capped scores (attention written out, masked where padded); gemma3: the sliding
+    # layer's own rotary tables.
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = static_engine(folder, block_size=4, max_batched_tokens=16, max_num_seqs=16)
     shapes = counting(engine)

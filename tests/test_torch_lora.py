@@ -122,12 +122,14 @@ def test_preemption_under_a_tiny_budget_keeps_adapter_outputs(llama):
         assert out == hf_greedy(base if adapter is None else merged[adapter], prompt, 16)
 
 
-@pytest.mark.parametrize("arch,fmt", [("llama", "int8"), ("llama", "int4"), ("llama-odd", "int8"), ("phi3", "int4")])
+@pytest.mark.parametrize("arch,fmt", [("llama", "int8"), ("llama", "int4"), ("llama-odd", "int8"), ("phi3", "int4"),
+                                      ("gemma3", "int4")])
 def test_c_steps_with_adapter_rows_match_the_packed_torch_path(tmp_path, arch, fmt):
     """The int8/int4 formats' one C call adds each adapter row's products itself (lora_add): the
     same tokens as the packed torch path (LoraLinear), in steps mixing base rows, two adapters
     (one leaving k alone between q and v), decodes and prompt chunks. llama-odd: sizes off
-    every tile and group, biases everywhere; phi3: an adapter of the fused matrices."""
+    every tile and group, biases everywhere; phi3: an adapter of the fused matrices; gemma3: o's
+    and down's products land before the norms of the blocks' outputs."""
     base = tiny_checkpoint(tmp_path / arch, arch)
     fused = arch == "phi3"
     adapters = {"every": write_lora(tmp_path / "every", base, targets=FUSED if fused else LORA_TARGETS),

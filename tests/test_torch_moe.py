@@ -16,7 +16,9 @@ from backends.torch.model import MLP, CausalLM, ModelError, ModelSpec
 from backends.torch.moe import SparseMoE
 from backends.torch.weights import WeightReader
 from backends.torch.quantize import PackedLinear, pack_weight, unpack_weight
-from test_torch_engine import engine_for, generate, generate_all, random_prompts, run
+from test_torch_engine import (
+    assert_greedy_matches_transformers, generate, generate_all, random_prompts, run, small_steps_engine,
+)
 from torch_models import _hf_model, hf_greedy, merged_checkpoint, tiny_checkpoint, write_lora
 
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
@@ -28,10 +30,6 @@ def checkpoints(tmp_path_factory):
     return {arch: tiny_checkpoint(root / arch, arch) for arch in ARCHS}
 
 
-def moe_engine(folder, **options):
-    return engine_for(folder, block_size=4, max_batched_tokens=16, **options)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arch):
     # mixtral: every layer sparse, weights renormalised, a window of 8; qwen2_moe: layer 0 dense,
@@ -39,17 +37,7 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # qwen3_moe: a sparse layer every second one, query and key norms. Four prompts at once in
     # steps of 16 tokens: prompt chunks and decode rows share steps, so an expert's rows mix
     # sequences.
-    folder = checkpoints[arch]
-    engine = moe_engine(folder)
-    try:
-        prompts = random_prompts(1, (5, 23, 40, 11))
-        alone, _ = run(generate(engine, prompts[1], 20))
-        batched = generate_all(engine, prompts, 20)
-    finally:
-        run(engine.stop())
-    assert alone == hf_greedy(folder, prompts[1], 20)
-    for ours, p in zip(batched, prompts):
-        assert ours == hf_greedy(folder, p, 20)
+    assert_greedy_matches_transformers(checkpoints[arch])
 
 
 def _rounded(w: torch.Tensor, bits: int) -> torch.Tensor:
@@ -81,7 +69,7 @@ def _int4_reference(folder, out):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_int4_experts_give_transformers_output_on_the_rounded_weights(checkpoints, arch, tmp_path):
     folder = checkpoints[arch]
-    engine = moe_engine(folder, weight_format="int4")
+    engine = small_steps_engine(folder, weight_format="int4")
     try:
         moe = next(layer.mlp for layer in engine.model.layers if isinstance(layer.mlp, SparseMoE))
         assert all(isinstance(e.gate_up_proj, PackedLinear) and e.gate_up_proj.bits == 4 for e in moe.experts)
@@ -231,7 +219,7 @@ def test_experts_named_as_transformers_5_holds_them_load_the_same(checkpoints, a
 def test_preemption_under_a_tiny_kv_budget_keeps_moe_outputs(checkpoints):
     folder = checkpoints["qwen3_moe"]
     block = 2 * 2 * 4 * 2 * 24 * 4  # layers x (k, v) x block_size x kv heads x head_dim x float32
-    tight = moe_engine(folder, kv_cache_gb=12 * block / 2**30)
+    tight = small_steps_engine(folder, kv_cache_gb=12 * block / 2**30)
     assert tight.pool.num_blocks == 12
     prompts = random_prompts(3, (9, 14, 6, 11))
     try:

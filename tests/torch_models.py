@@ -1,5 +1,5 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 checkpoints and mixtures of experts (Mixtral,
+random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 checkpoints and mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE) built from a config, no download."""
 
 from __future__ import annotations
@@ -73,19 +73,52 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
         config = Qwen3MoeConfig(**common, head_dim=24, moe_intermediate_size=40, num_experts=8, num_experts_per_tok=2,
                                 norm_topk_prob=True, decoder_sparse_step=2)
+    elif arch == "gemma":  # GeGLU, 1 + weight norms, scaled embeddings, tied
+        from transformers import GemmaConfig
+
+        config = GemmaConfig(**{**common, "tie_word_embeddings": True}, head_dim=16)
+    elif arch == "gemma2":  # norms around both blocks' outputs, a window of 8 on layer 0, capped scores and logits
+        from transformers import Gemma2Config
+
+        config = Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=64,
+                              sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=10.0)
+    elif arch in ("gemma3", "gemma3-mm"):  # query and key norms; layer 0 slides, rotating with a base of its own
+        from transformers import Gemma3Config, Gemma3TextConfig
+
+        text = Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=32,
+                                sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        config = text
+        if arch == "gemma3-mm":  # the image-text model: a (tiny) vision tower the engine never reads
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=28, patch_size=14)
+            config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                                  boi_token_index=49149, eoi_token_index=49150, image_token_index=49151)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gemma3-mm":
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)  # large enough that logits are far from ties
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
+            if arch.startswith(("gemma2", "gemma3")) and name.endswith(("post_attention_layernorm.weight",
+                                                                         "post_feedforward_layernorm.weight")):
+                # Gemma 2/3 normalise each block's output before adding it: at a scale of about 1
+                # the blocks barely move the scaled embedding, and every model repeats its
+                # prompt's last token. Trained output norms are larger.
+                p.add_(3.0)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     src = smollm2_folder()

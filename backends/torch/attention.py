@@ -12,8 +12,12 @@ are ``block * block_size + offset`` for the blocks of its block table. The cache
 narrower type than the model computes in (``kv_cache_dtype``): new keys and values are rounded
 into it, gathered ones widened back.
 
-Layers with a sliding window (all of Mistral's, some of Qwen2's or Qwen3's) take the step's
-window masks, the others its full ones; the runner builds only the kinds the model has.
+Layers with a sliding window (all of Mistral's, some of Qwen2's, Qwen3's or Gemma's) take the
+step's window masks, the others its full ones; the runner builds only the kinds the model has.
+
+Gemma 2 caps its scores (``cap * tanh(score / cap)``) before the softmax, which SDPA cannot do:
+those layers compute the scores, the cap and the softmax as separate operations, as
+transformers' eager attention does.
 """
 
 from __future__ import annotations
@@ -57,27 +61,47 @@ def paged_attention(
     layer: int,
     scale: float,
     sliding: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim].
-    ``sliding``: the layer attends within the model's sliding window (the window masks)."""
+    ``sliding``: the layer attends within the model's sliding window (the window masks);
+    ``softcap``: the scores' tanh cap, if any."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     decode_mask = meta.decode_window_mask if sliding else meta.decode_mask
     if meta.num_decode and not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, decode_mask, scale)
+        return _decode(q, k_cache, v_cache, meta, decode_mask, scale, softcap)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, decode_mask, scale)
+        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, decode_mask, scale, softcap)
     for span in meta.prefills:
         mask = span.window_mask if sliding else span.mask
-        out[span.start : span.end] = _prefill(q[span.start : span.end], k_cache, v_cache, span.slots, mask, scale)
+        out[span.start : span.end] = _prefill(
+            q[span.start : span.end], k_cache, v_cache, span.slots, mask, scale, softcap
+        )
     return out
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA over ``q [..., n, dim]`` and ``keys``, ``values [..., context, dim]`` (equal head
+    counts, or one KV head broadcast over a group of query heads), or with ``softcap`` the same
+    arithmetic written out with the cap: scores, cap, mask, softmax in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, mask: torch.Tensor | None,
-    scale: float,
+    scale: float, softcap: float | None = None,
 ) -> torch.Tensor:
     n, context = meta.decode_slots.shape
     kv_heads, dim = k_cache.shape[1:]
@@ -89,18 +113,26 @@ def _decode(
     # the memory-efficient kernel, which refuses enable_gqa in many torch versions), and one
     # [n, 1, 1, context] mask covers them all.
     group = q.shape[1] // kv_heads
-    out = F.scaled_dot_product_attention(
-        q.reshape(n, kv_heads, group, dim), keys, values, attn_mask=mask, scale=scale
-    )
+    out = _attend(q.reshape(n, kv_heads, group, dim), keys, values, mask, scale, softcap)
     return out.reshape(n, kv_heads * group, dim)
 
 
 def _prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-    scale: float,
+    scale: float, softcap: float | None = None,
 ) -> torch.Tensor:
     keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
     values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+    if softcap is not None:
+        # The chunk's query heads that share a KV head as one [group x chunk] block of rows.
+        chunk, heads, dim = q.shape
+        kv_heads, context = keys.shape[1], keys.shape[2]
+        group = heads // kv_heads
+        if mask is None:  # plain causal over a chunk that is the whole context
+            mask = torch.ones(chunk, context, dtype=torch.bool, device=q.device).tril(context - chunk)
+        rows = q.transpose(0, 1).reshape(kv_heads, group * chunk, dim)
+        out = _attend(rows, keys[0], values[0], mask.repeat(group, 1), scale, softcap)
+        return out.reshape(heads, chunk, dim).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         keys,

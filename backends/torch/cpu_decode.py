@@ -5,11 +5,13 @@ as torch operations spends as long again dispatching some 3,000 small ones (norm
 cache gather, attention, residual adds), and even one Python call per kernel (270 a step) cost
 3 ms. ``rk_decode_step`` runs the whole model over a step's rows, one per new token; per layer:
 
-    RMSNorm + quantize -> qkv -> (Qwen3's head norms) -> rotary + cache write + attention (within
-    the layer's window, if any) -> quantize -> o_proj (added to the residual) -> RMSNorm +
-    quantize -> gate_up -> SiLU * up + quantize -> down_proj (added)
+    RMSNorm + quantize -> qkv -> (Qwen3's and Gemma 3's head norms) -> rotary + cache write +
+    attention (within the layer's window, if any; Gemma 2's capped scores) -> quantize -> o_proj
+    (added to the residual; Gemma 2/3: normalised first) -> RMSNorm + quantize -> gate_up ->
+    SiLU (GELU for Gemma) * up + quantize -> down_proj (added, the same way)
 
-and the final norm and LM head for the rows that sample. The model's weights are described to C
+and the final norm and LM head for the rows that sample. Gemma's embedding factor and logit cap
+are applied here, around the call; its ``1 + weight`` norms reach C as their float32 factors. The model's weights are described to C
 once (:class:`RkModel`); a step passes only its tokens' places. The numbers are those of the
 packed format's C-kernel path up to float rounding (tested token for token), and a row's are the
 same whatever else the step holds.
@@ -100,22 +102,27 @@ class CpuDecoder:
         self._keep: list[torch.Tensor] = []
         f32 = lambda t: _float_pointer(t, self._keep)  # noqa: E731
 
+        norm = lambda n: f32(n.scale()) if n is not None else None  # noqa: E731
+        rope = f32(model.rotary.cos), f32(model.rotary.sin)
+        local = (f32(model.local_rotary.cos), f32(model.local_rotary.sin)) if model.local_rotary is not None else rope
         layers = (RkLayer * spec.num_layers)()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (qkv, qkv_b), (o, o_b) = attn.qkv_proj.pointers, attn.o_proj.pointers
             (gu, gu_b), (down, down_b) = mlp.gate_up_proj.pointers, mlp.down_proj.pointers
+            cos, sin = local if attn.sliding else rope
             layers[i] = RkLayer(
-                ln1=f32(layer.input_layernorm.weight), ln2=f32(layer.post_attention_layernorm.weight),
+                ln1=norm(layer.input_layernorm), ln2=norm(layer.post_attention_layernorm),
                 eps1=layer.input_layernorm.eps, eps2=layer.post_attention_layernorm.eps,
                 qkv=qkv, o=o, gate_up=gu, down=down,
                 qkv_bias=qkv_b, o_bias=o_b, gate_up_bias=gu_b, down_bias=down_b,
                 qkv_kp=attn.qkv_proj.padded_in_features, o_kp=attn.o_proj.padded_in_features,
                 gate_up_kp=mlp.gate_up_proj.padded_in_features, down_kp=mlp.down_proj.padded_in_features,
                 k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(), window=spec.window_of(i) or 0,
-                q_norm=f32(attn.q_norm.weight) if attn.q_norm is not None else None,
-                k_norm=f32(attn.k_norm.weight) if attn.k_norm is not None else None,
+                q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm),
                 qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
+                cos=cos, sin=sin, attn_out_norm=norm(layer.attn_out_norm), mlp_out_norm=norm(layer.mlp_out_norm),
+                out_eps=spec.rms_norm_eps,
             )
         self._layers = layers
         head = model.lm_head
@@ -123,8 +130,8 @@ class CpuDecoder:
             num_layers=spec.num_layers, hidden=spec.hidden_size, inter=spec.intermediate_size,
             heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             group=linears[0].group, vocab=head.out_features, block_size=kv.block_size,
-            scale=spec.head_dim**-0.5, final_eps=model.norm.eps,
-            layers=layers, final_norm=f32(model.norm.weight), cos=f32(model.rotary.cos), sin=f32(model.rotary.sin),
+            scale=spec.attention_scale, final_eps=model.norm.eps, softcap=spec.attn_softcap or 0.0,
+            act=int(spec.activation == "gelu_tanh"), layers=layers, final_norm=norm(model.norm),
             lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
             bits=model.layers[0].self_attn.qkv_proj.bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],
         )
@@ -189,6 +196,8 @@ class CpuDecoder:
             for xs in (rows.positions, rows.slots, rows.lengths, rows.table_of, rows.tables, rows.out_rows)
         )
         x = self.model.embed_tokens.weight.index_select(0, torch.tensor(rows.ids, dtype=torch.long))  # the residual
+        if (scale := self.model.embed_scale(x.dtype)) is not None:
+            x.mul_(scale)
         f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
         q = torch.empty(m, self._kp, dtype=torch.int16)
         dq, tmp = f32(m), f32(max(spec.hidden_size, spec.intermediate_size))
@@ -207,6 +216,6 @@ class CpuDecoder:
             logits.data_ptr(), adapter_t.data_ptr() if adapter_t is not None else None,
         )
         if not ok:
-            raise MemoryError("no memory for the scratch of this step (attention scores, adapter rows)")
-        return logits
+            raise MemoryError("no memory for the scratch of this step (attention scores, adapter rows, output norms)")
+        return self.model.softcap_logits(logits)
 

@@ -152,7 +152,9 @@ class TorchEngine:
             from .quantize import pack_int4_weights, pack_int8_weights
 
             (pack_int8_weights if options.weight_format == "int8" else pack_int4_weights)(self.model)
-        self.model.rotary.to(torch.float32)  # the tables stay exact; cast per use
+        for rotary in (self.model.rotary, self.model.local_rotary):
+            if rotary is not None:
+                rotary.to(torch.float32)  # the tables stay exact; cast per use
         release_freed_memory()
         self.kv = KVCache.allocate(
             spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, options.device

@@ -21,6 +21,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -126,16 +127,37 @@ def load_checkpoint(path: Path) -> Checkpoint:
     template = hf_chat_template(path) or hf_tok.chat_template
     if isinstance(template, dict):
         template = template.get("default")
-    return Checkpoint(spec, _safetensors_weights(path), HFTokenizer(hf_tok, eos), template)
+    rename = _language_model_weight if getattr(config, "text_config", None) is not None else None
+    return Checkpoint(spec, _safetensors_weights(path, rename), HFTokenizer(hf_tok, eos), template)
 
 
-def _safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", ""))
+
+
+def _language_model_weight(key: str) -> str | None:
+    """An image-text checkpoint's (Gemma 3 from 4B up) weight by its language model's name, as a
+    text-only checkpoint names it (``language_model.model.layers.0...`` as saved,
+    ``model.language_model.layers.0...`` as transformers 5 holds it); None for the vision tower
+    and projector, which are never read."""
+    for prefix, name in _LANGUAGE_MODEL:
+        if key.startswith(prefix):
+            return name + key[len(prefix):]
+    return key if key.startswith("lm_head.") else None
+
+
+def _safetensors_weights(folder: Path, rename: Callable[[str], str | None] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files by name; with ``rename``, by the name it
+    gives, leaving out (and never reading) those it gives None."""
+    from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as reader:
+            for key in reader.keys():
+                name = rename(key) if rename is not None else key
+                if name is not None:
+                    weights[name] = reader.get_tensor(key)
     return weights

@@ -1,19 +1,23 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral, Phi-3, and the mixtures of
-experts Mixtral, Qwen2-MoE and Qwen3-MoE) as plain torch modules.
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral, Phi-3, Gemma 1/2/3, and the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
 attention over the paged KV cache (sliding windows on all or some layers), Qwen3's per-head
 query and key norms, SwiGLU (or a mixture of SwiGLU experts: :mod:`.moe`), tied or untied
-embeddings. Every forward pass works on a flat batch of tokens from many sequences at once
-(continuous batching); :mod:`.attention` knows which tokens belong to whom.
+embeddings. Gemma's differences are flags of :class:`ModelSpec`: GeGLU (tanh GELU), norms that
+scale by ``1 + weight``, embeddings scaled by sqrt(hidden size), Gemma 2/3's norms around each
+block's output as well as its input, a query scale of its own, tanh soft caps on attention
+scores and logits (Gemma 2), and Gemma 3's second rotary base for its sliding-window layers.
+Every forward pass works on a flat batch of tokens from many sequences at once (continuous
+batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -66,8 +70,25 @@ class ModelSpec:
     # Layers of a MoE model with a plain MLP of intermediate_size instead (Qwen's mlp_only_layers
     # and decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
+    # Gemma. The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh form).
+    activation: str = "silu"
+    embed_scale: float | None = None  # embeddings times this (sqrt(hidden_size)), in the model's dtype
+    offset_norms: bool = False  # every RMSNorm scales by 1 + weight, in float32, rounded once after
+    # Gemma 2/3: the attention's and the MLP's outputs are normalised too before the residual adds.
+    sandwich_norms: bool = False
+    query_scale: float | None = None  # attention scores' scale (query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores become cap * tanh(score / cap) before the softmax (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits
+    # Gemma 3: the sliding-window layers rotate with a base (and scaling) of their own.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    # max_position_embeddings already counts the rope scaling's stretch (Gemma 3, as vLLM reads it).
+    scaled_max_position: bool = False
 
-    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+                 "gemma", "gemma2", "gemma3_text", "gemma3")
+    GEMMA = ("gemma", "gemma2", "gemma3_text")
+    ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
     @property
@@ -80,6 +101,19 @@ class ModelSpec:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
+    def attention_scale(self) -> float:
+        """The factor on query-key dot products."""
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    def local_rope(self) -> "ModelSpec | None":
+        """The spec the sliding-window layers' rotary tables come from (Gemma 3); None where
+        every layer rotates alike."""
+        if self.local_rope_theta is None:
+            return None
+        return replace(self, rope_theta=self.local_rope_theta, rope_scaling=self.local_rope_scaling,
+                       local_rope_theta=None, local_rope_scaling=None)
+
+    @property
     def rotated(self) -> int:
         """How many dimensions of each query and key head rotate."""
         return self.rotary_dim or self.head_dim
@@ -88,7 +122,9 @@ class ModelSpec:
     def context_length(self) -> int:
         """The longest context the rotary embedding serves, as vLLM derives it: linear and dynamic
         scaling stretch ``max_position_embeddings`` by their factor, YaRN the original length by
-        its factor; Llama 3 and LongRoPE configs already give the stretched length."""
+        its factor; Llama 3, LongRoPE and Gemma 3 configs already give the stretched length."""
+        if self.scaled_max_position:
+            return self.max_position
         scaling = self.rope_scaling or {}
         kind, factor = scaling.get("rope_type", "default"), scaling.get("factor")
         if kind in ("linear", "dynamic") and factor:
@@ -140,26 +176,29 @@ class ModelSpec:
         model_type = getattr(cfg, "model_type", None)
         if model_type not in cls.SUPPORTED:
             raise ModelError(f"model_type `{model_type}` is not supported; supported: {', '.join(cls.SUPPORTED)}")
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ModelError(f"hidden_act `{cfg.hidden_act}` is not supported (SwiGLU needs silu)")
+        if model_type == "gemma3":  # Gemma 3 from 4B up reads images too; its language model is served
+            cfg, model_type = cfg.text_config, cfg.text_config.model_type
+        gemma = model_type in cls.GEMMA
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
+        act = (getattr(cfg, "hidden_activation", None) if gemma else None) or getattr(cfg, "hidden_act", "silu")
+        if gemma and act == "gelu":
+            act = "gelu_pytorch_tanh"  # Gemma's first releases say "gelu" and mean the tanh form, as transformers reads it
+        if act not in cls.ACTIVATIONS:
+            raise ModelError(f"hidden_act `{act}` is not supported; supported: {', '.join(cls.ACTIVATIONS)}")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta/rope_scaling.
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        # transformers 5 keeps rope settings in rope_parameters (rope_scaling reads the same);
+        # 4.x in rope_theta / rope_scaling. Gemma 3's are per layer type in transformers 5.
+        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        local = None
+        if "full_attention" in rope or "sliding_attention" in rope:
+            local, rope = dict(rope.get("sliding_attention") or {}), dict(rope.get("full_attention") or {})
+        elif model_type == "gemma3_text":
+            local = {"rope_theta": getattr(cfg, "rope_local_base_freq", 10000.0)}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        scaling = getattr(cfg, "rope_scaling", None) or rope
-        scaling = dict(scaling) if scaling else None
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in cls.ROPE_SCALINGS:
-                raise ModelError(f"rope scaling `{kind}` is not supported; supported: {', '.join(cls.ROPE_SCALINGS)}")
-            scaling["rope_type"] = kind
-            if kind in ("yarn", "longrope") and "original_max_position_embeddings" not in scaling:
-                scaling["original_max_position_embeddings"] = getattr(
-                    cfg, "original_max_position_embeddings", cfg.max_position_embeddings
-                )
-            if kind in ("linear", "dynamic", "llama3") and not scaling.get("factor"):
-                raise ModelError(f"rope scaling `{kind}` needs a `factor`")
+        scaling = _rope_scaling(rope, cfg)
+        local_scaling = _rope_scaling(local, cfg) if local is not None else None
         partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
         rotary_dim = None
         if partial is not None and float(partial) != 1.0:
@@ -169,14 +208,19 @@ class ModelSpec:
                     f"partial_rotary_factor {partial} rotates {rotary_dim} of the {head_dim} dimensions of a head; "
                     "it must rotate an even number of them, at least 2"
                 )
-        if scaling and scaling["rope_type"] == "longrope":
-            pairs = (rotary_dim or head_dim) // 2
-            for key in ("short_factor", "long_factor"):
-                got = scaling.get(key)
-                if not isinstance(got, (list, tuple)) or len(got) != pairs:
-                    raise ModelError(f"rope scaling `longrope` needs `{key}`: a list of {pairs} numbers, one per rotated pair")
+        for each in (scaling, local_scaling):
+            if each and each["rope_type"] == "longrope":
+                pairs = (rotary_dim or head_dim) // 2
+                for key in ("short_factor", "long_factor"):
+                    got = each.get(key)
+                    if not isinstance(got, (list, tuple)) or len(got) != pairs:
+                        raise ModelError(f"rope scaling `longrope` needs `{key}`: a list of {pairs} numbers, one per rotated pair")
         window, sliding_layers = _sliding_window(cfg, model_type)
         qwen2 = model_type in ("qwen2", "qwen2_moe")
+        softcaps = {key: getattr(cfg, key, None) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+        for key, cap in softcaps.items():
+            if cap is not None and not cap > 0:
+                raise ModelError(f"{key} {cap} must be a positive number")
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -197,10 +241,38 @@ class ModelSpec:
             sliding_window=window,
             o_bias=bool(getattr(cfg, "attention_bias", False)) and not qwen2,
             sliding_layers=sliding_layers,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             rotary_dim=rotary_dim,
             **_experts(cfg, model_type),
+            activation=cls.ACTIVATIONS[act],
+            embed_scale=cfg.hidden_size**0.5 if gemma else None,
+            offset_norms=gemma,
+            sandwich_norms=model_type in ("gemma2", "gemma3_text"),
+            query_scale=cfg.query_pre_attn_scalar**-0.5 if getattr(cfg, "query_pre_attn_scalar", None) else None,
+            attn_softcap=softcaps["attn_logit_softcapping"],
+            final_softcap=softcaps["final_logit_softcapping"],
+            local_rope_theta=float(local.get("rope_theta", 10000.0)) if local is not None else None,
+            local_rope_scaling=local_scaling,
+            scaled_max_position=model_type == "gemma3_text",
         )
+
+
+def _rope_scaling(rope: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
+    """A rope scaling dict, its kind named ``rope_type`` and checked; None: none at all."""
+    if not rope:
+        return None
+    scaling = dict(rope)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ModelSpec.ROPE_SCALINGS:
+        raise ModelError(f"rope scaling `{kind}` is not supported; supported: {', '.join(ModelSpec.ROPE_SCALINGS)}")
+    scaling["rope_type"] = kind
+    if kind in ("yarn", "longrope") and "original_max_position_embeddings" not in scaling:
+        scaling["original_max_position_embeddings"] = getattr(
+            cfg, "original_max_position_embeddings", cfg.max_position_embeddings
+        )
+    if kind in ("linear", "dynamic", "llama3") and not scaling.get("factor"):
+        raise ModelError(f"rope scaling `{kind}` needs a `factor`")
+    return scaling
 
 
 def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
@@ -228,15 +300,23 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     """The window and the layers that use it, as transformers decides them: Mistral, Mixtral and
     Phi-3 slide on every layer, and Qwen3-MoE does with ``use_sliding_window`` (its config drops
     the window without it); the other Qwens only with ``use_sliding_window``, on the layers
-    ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Llama never."""
+    ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Gemma 2
+    and 3 on the layers ``layer_types`` names (else every second, or five of every six);
+    Llama and Gemma never."""
     window = getattr(cfg, "sliding_window", None)
-    if model_type == "llama" or not window:
+    if model_type in ("llama", "gemma") or not window:
         return None, None
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return int(window), None
+    types = getattr(cfg, "layer_types", None)
+    if model_type in ("gemma2", "gemma3_text"):  # every 2nd layer (Gemma 2), 5 of every 6 (Gemma 3) slide
+        if types is None:  # transformers 4.x: the pattern alone
+            pattern = 2 if model_type == "gemma2" else getattr(cfg, "sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg.num_hidden_layers)]
+        layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        return (int(window), layers) if layers else (None, None)
     if not getattr(cfg, "use_sliding_window", False):
         return None, None
-    types = getattr(cfg, "layer_types", None)
     if types is not None:
         layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     else:
@@ -402,16 +482,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, h
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """``x / rms(x)`` times a weight per dimension: Llama's (the normalised ``x`` rounded to the
+    model's dtype, then scaled), or with ``offset`` Gemma's (scaled by ``1 + weight`` in float32,
+    rounded once)."""
+
+    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+    def scale(self) -> torch.Tensor:
+        """The float32 factor per dimension (what the C kernels multiply by)."""
+        return 1.0 + self.weight.float() if self.offset else self.weight.float()
 
 
 class Attention(nn.Module):
@@ -424,11 +515,13 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.attention_scale
+        self.softcap = spec.attn_softcap
         self.half = spec.head_dim // 2
         self.sliding = spec.window_of(layer) is not None
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        norm = lambda: RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.offset_norms)  # noqa: E731
+        self.q_norm = norm() if spec.qk_norm else None
+        self.k_norm = norm() if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -440,39 +533,50 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *rope, self.half)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding)
+        out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up in one matmul."""
+    """A gated MLP, ``down(act(gate(x)) * up(x))`` with gate and up in one matmul: SwiGLU
+    (``act`` SiLU), or Gemma's GeGLU (``activation="gelu_tanh"``: GELU's tanh form)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu") -> None:
         super().__init__()
         self.intermediate = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gelu = activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
+    """Norm, attention, residual add; norm, MLP, residual add. Gemma 2/3 also normalise each
+    block's output before its add (``attn_out_norm``, ``mlp_out_norm``)."""
+
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        norm = lambda: RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.offset_norms)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(spec, layer)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = norm()  # Llama's name for the MLP's input norm
+        self.attn_out_norm = norm() if spec.sandwich_norms else None
+        self.mlp_out_norm = norm() if spec.sandwich_norms else None
         self.mlp: MLP | SparseMoE
         if spec.is_sparse(layer):
-            self.mlp = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size))
+            self.mlp = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size, activation=spec.activation))
         else:
-            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.activation)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), rope, meta)
+        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))
 
 
 class CausalLM(nn.Module):
@@ -483,9 +587,33 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.offset_norms)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.rotary = Rotary(spec, max_len)
+        self._rotaries(max_len)
+        self._embed_scales: dict[torch.dtype, float] = {}
+
+    def _rotaries(self, max_len: int) -> None:
+        """The rotary tables: every layer's, or (Gemma 3) the full-attention layers' in ``rotary``
+        and the sliding-window layers' in ``local_rotary``."""
+        local = self.spec.local_rope()
+        self.rotary = Rotary(self.spec, max_len)
+        self.local_rotary = Rotary(local, max_len) if local is not None else None
+
+    def embed_scale(self, dtype: torch.dtype) -> float | None:
+        """Gemma's embedding factor rounded to ``dtype`` (transformers multiplies by it as a
+        tensor of the weights' dtype: sqrt(2304) is 48.0 in bfloat16); None: no factor."""
+        if self.spec.embed_scale is None:
+            return None
+        scale = self._embed_scales.get(dtype)
+        if scale is None:
+            scale = self._embed_scales[dtype] = float(torch.tensor(self.spec.embed_scale).to(dtype))
+        return scale
+
+    def softcap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's cap on the logits (``cap * tanh(logits / cap)``); the logits as they are
+        without one."""
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @classmethod
     def from_state_dict(
@@ -497,7 +625,7 @@ class CausalLM(nn.Module):
         model is never widened to float32 on the way."""
         with torch.device("meta"):
             model = cls(spec, 1).to(dtype)
-        model.rotary = Rotary(spec, max_len)  # computed, not loaded
+        model._rotaries(max_len)  # computed, not loaded
         model.load_hf_state_dict(state)
         missing = [name for name, p in model.named_parameters() if p.is_meta]
         if missing:
@@ -508,11 +636,14 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if (scale := self.embed_scale(x.dtype)) is not None:
+            x = x * scale
         rope = self.rotary.tables(positions, x.dtype)
+        local = self.local_rotary.tables(positions, x.dtype) if self.local_rotary is not None else rope
         for layer in self.layers:
-            x = layer(x, rope, meta)
+            x = layer(x, local if layer.self_attn.sliding else rope, meta)
         # Only rows that sample need the (large) vocabulary projection.
-        return self.lm_head(self.norm(x[logits_rows]))
+        return self.softcap_logits(self.lm_head(self.norm(x[logits_rows])))
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM (and the
@@ -549,7 +680,12 @@ class CausalLM(nn.Module):
                     norm = norm if layout is None or norm.shape != layout.shape else norm[layout]
                     weights.copy(getattr(attn, name).weight, p + f"self_attn.{name}.weight", norm)
             weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
-            weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+            if spec.sandwich_norms:  # Gemma 2/3 name the attention's output norm post_attention_layernorm
+                weights.copy(layer.attn_out_norm.weight, p + "post_attention_layernorm.weight")
+                weights.copy(layer.post_attention_layernorm.weight, p + "pre_feedforward_layernorm.weight")
+                weights.copy(layer.mlp_out_norm.weight, p + "post_feedforward_layernorm.weight")
+            else:
+                weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
         weights.copy(self.norm.weight, "norm.weight")
         extra = next((key for key in state if ".experts." in key), None)
         if extra is not None:  # every expert the config has was taken

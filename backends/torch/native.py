@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 10
+ABI = 11
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -46,6 +46,7 @@ class RkLayer(ctypes.Structure):
         ("qkv_kp", _I), ("o_kp", _I), ("gate_up_kp", _I), ("down_kp", _I),
         ("k_cache", _P), ("v_cache", _P),
         ("window", _I), ("q_norm", _P), ("k_norm", _P), ("qk_eps", ctypes.c_float),
+        ("cos", _P), ("sin", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P), ("out_eps", ctypes.c_float),
     ]
 
 
@@ -62,9 +63,9 @@ class RkModel(ctypes.Structure):
     _fields_ = [
         ("num_layers", _I), ("hidden", _I), ("inter", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
         ("group", _I), ("vocab", _I), ("block_size", _I),
-        ("scale", ctypes.c_float), ("final_eps", ctypes.c_float),
+        ("scale", ctypes.c_float), ("final_eps", ctypes.c_float), ("softcap", ctypes.c_float), ("act", ctypes.c_int),
         ("layers", ctypes.POINTER(RkLayer)),
-        ("final_norm", _P), ("cos", _P), ("sin", _P),
+        ("final_norm", _P),
         ("lm_head", _P), ("lm_head_kp", _I),
         ("bits", ctypes.c_int), ("lm_head_bits", ctypes.c_int), ("kv_kind", ctypes.c_int),
         ("lora", ctypes.POINTER(RkLora)), ("num_adapters", _I),
@@ -102,9 +103,13 @@ class CpuKernels:
         self.silu_mul_quantize = lib.rk_silu_mul_quantize
         self.silu_mul_quantize.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P]
         self.silu_mul_quantize.restype = None
+        self.gelu_tanh_mul_quantize = lib.rk_gelu_tanh_mul_quantize
+        self.gelu_tanh_mul_quantize.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P]
+        self.gelu_tanh_mul_quantize.restype = None
         self.decode_attention = lib.rk_decode_attention
         self.decode_attention.argtypes = [
-            _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, ctypes.c_int, _P,
+            _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, ctypes.c_float, _I,
+            ctypes.c_int, _P,
         ]
         self.decode_attention.restype = ctypes.c_int
         self.decode_step = lib.rk_decode_step

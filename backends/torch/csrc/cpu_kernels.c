@@ -33,7 +33,7 @@
 #define RK_AVX2 1
 #endif
 
-int rk_abi(void) { return 10; }
+int rk_abi(void) { return 11; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -154,6 +154,42 @@ void rk_silu_mul_quantize(const float *gu, int64_t M, int64_t I, int64_t gs, flo
 #endif
         for (; i < I; i++) tmp[i] = g[i] / (1.f + expf(-g[i])) * u[i];
         dq[m] = quantize_row(tmp, I, Kp, q + m * Kp);
+    }
+}
+
+/* GeGLU's gelu(gate) * up (GELU's tanh form, Gemma's gelu_pytorch_tanh) for rows [gate (I) | up
+ * (I)], quantized. 0.5 g (1 + tanh(u)) is g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3):
+ * SiLU's form with -2u for -g. tmp: I floats. */
+void rk_gelu_tanh_mul_quantize(const float *gu, int64_t M, int64_t I, int64_t gs, float *tmp, int64_t Kp,
+                               int16_t *q, float *dq) {
+    const float c = 0.7978845608028654f, c3 = 0.7978845608028654f * 0.044715f;
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * gs, *u = g + I;
+        int64_t i = 0;
+#ifdef RK_AVX2
+        const __m256 one = _mm256_set1_ps(1.f), m2c = _mm256_set1_ps(-2.f * c), m2c3 = _mm256_set1_ps(-2.f * c3);
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 g2 = _mm256_mul_ps(gv, gv);
+            /* -2u = g (-2c + -2c3 g^2) */
+            const __m256 arg = _mm256_mul_ps(gv, _mm256_add_ps(m2c, _mm256_mul_ps(m2c3, g2)));
+            const __m256 den = _mm256_add_ps(one, exp8(arg));
+            _mm256_storeu_ps(tmp + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) tmp[i] = g[i] / (1.f + expf(g[i] * (-2.f * c + -2.f * c3 * (g[i] * g[i])))) * u[i];
+        dq[m] = quantize_row(tmp, I, Kp, q + m * Kp);
+    }
+}
+
+/* RMSNorm of each row of y [M, K] times weight, added to x [M, K]: Gemma 2/3's norm of a block's
+ * output before its residual add. */
+static void rmsnorm_add(const float *y, int64_t M, int64_t K, const float *weight, float eps, float *x) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = y + m * K;
+        float *o = x + m * K;
+        const float inv = rms_inv(r, K, eps);
+        for (int64_t k = 0; k < K; k++) o[k] += weight[k] * (r[k] * inv);
     }
 }
 
@@ -340,11 +376,12 @@ static inline __attribute__((always_inline)) void weighted_values(
  * the heads D apart. s: nh rows of scratch, ss floats apart. Each key and value is read from
  * memory once for all the heads (GQA: 3 query heads share a KV head in SmolLM2), and a block's
  * rows are fetched while the one before is computed. Inlined once per element type, so each
- * loop reads its cache's type without a branch. */
+ * loop reads its cache's type without a branch. softcap > 0: each score becomes
+ * softcap tanh(score / softcap) before the softmax (Gemma 2). */
 static inline __attribute__((always_inline)) void attend(
     const float *q, int64_t nh, const void *k_cache, const void *v_cache, const int64_t *tab, int64_t start,
-    int64_t end, int64_t bs, int64_t stride, int64_t kvh, int64_t D, float scale, float *s, int64_t ss, float *o,
-    const int kind) {
+    int64_t end, int64_t bs, int64_t stride, int64_t kvh, int64_t D, float scale, float softcap, float *s, int64_t ss,
+    float *o, const int kind) {
     const int64_t esize = kind == RK_F32 ? 4 : 2;
     float mx[RK_SHARE], inv[RK_SHARE];
     for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
@@ -360,12 +397,15 @@ static inline __attribute__((always_inline)) void attend(
                     float *to = s + g * ss + p - start + i;
                     const __m256 v = dot8(q + g * D, k_cache, at + i * stride, stride, D, kind);
                     _mm256_storeu_ps(to, _mm256_mul_ps(v, _mm256_set1_ps(scale)));
+                    if (softcap > 0.f)
+                        for (int j = 0; j < 8; j++) to[j] = tanhf(to[j] / softcap) * softcap;
                     for (int j = 0; j < 8; j++) mx[g] = to[j] > mx[g] ? to[j] : mx[g];
                 }
 #endif
         for (; i < n; i++)
             for (int64_t g = 0; g < nh; g++) {
-                const float v = dot(q + g * D, k_cache, at + i * stride, D, kind) * scale;
+                float v = dot(q + g * D, k_cache, at + i * stride, D, kind) * scale;
+                if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
                 s[g * ss + p - start + i] = v;
                 mx[g] = v > mx[g] ? v : mx[g];
             }
@@ -433,7 +473,8 @@ static inline __attribute__((always_inline)) void attend(
 static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
                       const float *cos, const float *ssin, void *k_cache, void *v_cache, const int64_t *slot,
                       const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t bs,
-                      int64_t window, float scale, int64_t max_len, int kind, float *scratch, float *out) {
+                      int64_t window, float scale, float softcap, int64_t max_len, int kind, float *scratch,
+                      float *out) {
     const int64_t group = H / KVH, stride = KVH * D;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * qs;
@@ -461,11 +502,11 @@ static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH,
         const int64_t end = len[m], start = window > 0 && end > window ? end - window : 0;
         float *s = scratch + thread_index() * RK_SHARE * max_len, *o = out + m * H * D + h * D;
         if (kind == RK_F16)
-            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, s, max_len, o, RK_F16);
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, s, max_len, o, RK_F16);
         else if (kind == RK_BF16)
-            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, s, max_len, o, RK_BF16);
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, s, max_len, o, RK_BF16);
         else
-            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, s, max_len, o, RK_F32);
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, s, max_len, o, RK_F32);
     }
 }
 
@@ -473,11 +514,11 @@ static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH,
 int rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
                         const float *cos, const float *ssin, void *k_cache, void *v_cache, const int64_t *slot,
                         const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t bs,
-                        int64_t window, float scale, int64_t max_len, int kind, float *out) {
+                        int64_t window, float scale, float softcap, int64_t max_len, int kind, float *out) {
     float *scratch = malloc((size_t)(rk_threads() * RK_SHARE * max_len) * sizeof(float));
     if (!scratch) return 0;
     attention(qkv, M, qs, H, KVH, D, pos, cos, ssin, k_cache, v_cache, slot, table, tw, tab_of, len, bs, window,
-              scale, max_len, kind, scratch, out);
+              scale, softcap, max_len, kind, scratch, out);
     free(scratch);
     return 1;
 }
@@ -799,13 +840,19 @@ typedef struct {
     int64_t window; /* the layer's sliding window; 0: it attends to every position */
     const float *q_norm, *k_norm; /* Qwen3's RMSNorm weights [head_dim] per query / key head; NULL: none */
     float qk_eps;
+    const float *cos, *sin; /* the layer's rotary tables (Gemma 3's sliding layers have their own) */
+    /* Gemma 2/3: norms of the attention's and the MLP's outputs before their residual adds; NULL: none */
+    const float *attn_out_norm, *mlp_out_norm;
+    float out_eps;
 } rk_layer;
 
 typedef struct {
     int64_t num_layers, hidden, inter, heads, kv_heads, head_dim, group, vocab, block_size;
     float scale, final_eps;
+    float softcap; /* the attention scores' tanh cap (Gemma 2); 0: none */
+    int act; /* the gated MLP's activation: 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU) */
     const rk_layer *layers;
-    const float *final_norm, *cos, *sin;
+    const float *final_norm;
     const uint8_t *lm_head;
     int64_t lm_head_kp;
     int bits, lm_head_bits; /* of the layers' projections, of the LM head: 8 or 4 */
@@ -822,8 +869,8 @@ typedef struct {
  * last row of a prompt's final chunk; the rows of other chunks only fill the cache. Scratch:
  * q [M, max kp] int16, dq [M], tmp [max(hidden, inter)], qkv, attn, gate_up (one row each per
  * token), xsum [M max kp / group]. row_adapter [M]: each row's LoRA adapter (0: none), or NULL when
- * no row has one. Out: logits [S, vocab]. Returns 0 (nothing computed) when the attention's or the
- * adapters' scratch cannot be allocated. */
+ * no row has one. Out: logits [S, vocab]. Returns 0 (nothing computed) when the attention's, the
+ * adapters' or the output norms' scratch cannot be allocated. */
 int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, const int64_t *slot,
                    const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t max_len,
                    const int64_t *out_rows, int64_t S, int16_t *q, float *dq, float *tmp, float *qkv, float *attn,
@@ -835,31 +882,43 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
     const int lora = md->lora && row_adapter;
     const int64_t L = md->num_layers, K_max = H > I ? (H > attn_size ? H : attn_size) : (I > attn_size ? I : attn_size);
     float *lx = lora ? malloc((size_t)(rk_threads() * K_max) * sizeof(float)) : NULL;
-    if (lora && !lx) {
+    /* Gemma 2/3: a block's output is normalised before its add, so it lands here first. */
+    const int sandwich = md->layers[0].attn_out_norm != NULL;
+    float *branch = sandwich ? malloc((size_t)(M * H) * sizeof(float)) : NULL;
+    if ((lora && !lx) || (sandwich && !branch)) {
         free(scores);
+        free(lx);
+        free(branch);
         return 0;
     }
+    /* Where o_proj and down_proj write, and whether they add to it. */
+    float *out = sandwich ? branch : x;
+    const int add = !sandwich;
     for (int64_t i = 0; i < md->num_layers; i++) {
         const rk_layer *l = md->layers + i;
         rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
         rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
         if (l->q_norm) head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
-        attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, md->cos, md->sin, l->k_cache, l->v_cache, slot,
-                  table, tw, tab_of, len, md->block_size, l->window, md->scale, max_len, md->kv_kind, scores, attn);
+        attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, l->cos, l->sin, l->k_cache, l->v_cache, slot,
+                  table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, max_len, md->kv_kind,
+                  scores, attn);
         rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
-        rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, x, H, 1, xsum);
-        if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, x, H, lx);
+        rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
+        if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, out, H, lx);
+        if (sandwich) rmsnorm_add(branch, M, H, l->attn_out_norm, l->out_eps, x);
         rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
         rk_linear(q, dq, M, l->gate_up_kp, l->gate_up, md->group, md->bits,
                   l->gate_up_bias, 2 * I, gate_up, 2 * I, 0, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 2, row_adapter, q, dq, M, l->gate_up_kp, H, gate_up, 2 * I, lx);
-        rk_silu_mul_quantize(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
-        rk_linear(q, dq, M, l->down_kp, l->down, md->group, md->bits, l->down_bias, H, x, H, 1, xsum);
-        if (lora) lora_add(md->lora, md->num_adapters, L, i, 3, row_adapter, q, dq, M, l->down_kp, I, x, H, lx);
+        (md->act ? rk_gelu_tanh_mul_quantize : rk_silu_mul_quantize)(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
+        rk_linear(q, dq, M, l->down_kp, l->down, md->group, md->bits, l->down_bias, H, out, H, add, xsum);
+        if (lora) lora_add(md->lora, md->num_adapters, L, i, 3, row_adapter, q, dq, M, l->down_kp, I, out, H, lx);
+        if (sandwich) rmsnorm_add(branch, M, H, l->mlp_out_norm, l->out_eps, x);
     }
     free(scores);
     free(lx);
+    free(branch);
     for (int64_t s = 0; s < S; s++) /* out_rows[s] >= s (ascending): no source is overwritten before it is read */
         if (out_rows[s] != s) memcpy(x + s * H, x + out_rows[s] * H, (size_t)H * sizeof(float));
     if (S == 0) return 1;

@@ -1,0 +1,229 @@
+"""Gemma 1, 2 and 3 on the torch engine: greedy output and prompt logprobs against transformers
+(float32), the C step against the packed torch path (int8, int4), the image-text Gemma 3
+checkpoint's language model, and what the configs say."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from backends.torch.loader import _language_model_weight, _safetensors_weights
+from backends.torch.model import ModelError, ModelSpec
+from router.engine import EngineRequest, SamplingParams
+from test_torch_engine import assert_greedy_matches_transformers, random_prompts, run, small_steps_engine
+from test_torch_packed import counting_decoder
+from torch_models import _hf_model, tiny_checkpoint
+
+ARCHS = ["gemma", "gemma2", "gemma3", "gemma3-mm"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma")
+    return {arch: tiny_checkpoint(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arch):
+    # gemma: GeGLU, 1 + weight norms, embeddings times sqrt(64); gemma2: norms of both blocks'
+    # outputs, a window of 8 on layer 0, scores capped at 2 and logits at 10, query_pre_attn_scalar
+    # 64 (not head_dim 16); gemma3: query and key norms, the sliding layer rotating with base 1e4,
+    # the full one with 1e6 stretched 8x; gemma3-mm: the same inside an image-text checkpoint.
+    assert_greedy_matches_transformers(checkpoints[arch])
+
+
+async def prompt_logprobs(engine, prompt):
+    req = EngineRequest("p", prompt, SamplingParams(temperature=0.0), 1, ignore_eos=True, prompt_logprobs=0)
+    async for step in engine.generate(req):
+        return [entry.logprob for entry in step.prompt_logprobs]
+
+
+def hf_prompt_logprobs(folder, prompt, **config):
+    """transformers' float32 forward over the prompt: each next prompt token's logprob. ``config``:
+    changes to the checkpoint's config (what the engine must not ignore)."""
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(folder) if not config else AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, local_files_only=True, **config
+    )
+    with torch.no_grad():
+        lp = model(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    return lp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+
+
+def distance(a, b):
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompt_logprobs_match_transformers(checkpoints, arch):
+    # Greedy tokens cannot see a cap on the logits (tanh keeps their order); logprobs see every
+    # factor. A 40-token prompt in three chunks, the last ones over the window of 8.
+    folder = checkpoints[arch]
+    engine = small_steps_engine(folder)
+    try:
+        prompt = random_prompts(4, (40,))[0]
+        got = run(prompt_logprobs(engine, prompt))
+    finally:
+        run(engine.stop())
+    # Measured: about 1e-6 from transformers on each (float32 against float64 logprobs of its
+    # float32 logits); dropping any one Gemma feature moves some logprob by 0.3 to 4.
+    assert distance(got, hf_prompt_logprobs(folder, prompt)) < 1e-4
+
+
+@pytest.mark.parametrize("arch,config", [
+    ("gemma2", {"attn_logit_softcapping": None}),
+    ("gemma2", {"final_logit_softcapping": None}),
+    ("gemma2", {"query_pre_attn_scalar": 16}),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+])
+def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
+    """Each setting the comparisons above rely on changes transformers' own answer (else matching
+    it would prove nothing of it): the caps, the query scale, the sliding layer's own rotary
+    base, the full layer's rope scaling."""
+    folder = checkpoints[arch]
+    prompt = random_prompts(4, (40,))[0]
+    assert distance(hf_prompt_logprobs(folder, prompt), hf_prompt_logprobs(folder, prompt, **config)) > 0.1
+
+
+async def with_logprobs(engine, prompt, n):
+    req = EngineRequest("t", prompt, SamplingParams(temperature=0.0, logprobs=2), n, ignore_eos=True)
+    tokens, logprobs = [], []
+    async for step in engine.generate(req):
+        tokens += step.token_ids
+        logprobs += [entry.logprob for entry in step.logprobs]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("arch,fmt,kv", [
+    ("gemma", "int4", "auto"), ("gemma", "int8", "auto"), ("gemma2", "int8", "auto"), ("gemma2", "int4", "bfloat16"),
+    ("gemma3", "int4", "auto"), ("gemma3", "int8", "float16"),
+])
+def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
+    """The one C call per step (GeGLU, the 1 + weight factors, the output norms, the score cap,
+    the per-layer rotary tables, with the embedding factor and the logit cap around it) gives the
+    packed torch path's tokens, and its logprobs within 0.02: measured up to 0.004 apart (the
+    torch path's prompt rows multiply fp16 copies of the weights); the C step without the score
+    cap, with the wrong query scale, norm or tables, is 0.15 to 3 apart."""
+    folder = checkpoints[arch]
+    prompts = random_prompts(2, (5, 23, 40, 11))
+    outputs = {}
+    for kernels in (True, False):
+        engine = small_steps_engine(folder, weight_format=fmt, kv_cache_dtype=kv)
+        try:
+            if kernels:
+                calls = counting_decoder(engine)
+            else:
+                engine.runner.decoder = None  # every step through CausalLM.forward
+
+            async def all_at_once():
+                return await asyncio.gather(*(with_logprobs(engine, p, 20) for p in prompts))
+
+            outputs[kernels] = run(all_at_once())
+            if kernels:
+                assert calls["n"] >= 19 and calls["mixed"] >= 1
+        finally:
+            run(engine.stop())
+    for (c_tokens, c_logprobs), (tokens, logprobs) in zip(outputs[True], outputs[False]):
+        assert c_tokens == tokens
+        assert distance(c_logprobs, logprobs) < 0.02
+
+
+def test_an_image_text_checkpoint_gives_its_language_model_and_reads_no_vision_weight(checkpoints, monkeypatch):
+    folder = checkpoints["gemma3-mm"]
+    read = []
+    from safetensors import safe_open
+
+    class Reader:  # records which tensors are read
+        def __init__(self, *args, **kwargs):
+            self.inner = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.file.get_tensor(key)
+
+    monkeypatch.setattr("safetensors.safe_open", Reader)
+    weights = _safetensors_weights(folder, _language_model_weight)
+    assert read and not [k for k in read if "vision" in k or "multi_modal" in k]
+    # The names a text-only Gemma 3 has (its embedding tied: no lm_head).
+    text_only = _safetensors_weights(checkpoints["gemma3"])
+    assert sorted(weights) == sorted(text_only)
+    assert all(weights[k].shape == text_only[k].shape for k in weights)
+
+
+def _gemma_config(model_type, **changes):
+    from transformers import AutoConfig
+
+    if model_type == "gemma3":
+        return AutoConfig.for_model(model_type, **changes)
+    return AutoConfig.for_model(model_type, vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=12,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, **changes)
+
+
+def test_specs_of_the_three_gemmas():
+    one = ModelSpec.from_hf_config(_gemma_config("gemma"))
+    assert (one.activation, one.offset_norms, one.sandwich_norms, one.qk_norm) == ("gelu_tanh", True, False, False)
+    assert one.embed_scale == 32**0.5 and one.sliding_window is None and one.attention_scale == 8**-0.5
+    # Gemma's first configs say "gelu" and mean the tanh form (as transformers reads them).
+    assert ModelSpec.from_hf_config(_gemma_config("gemma", hidden_act="gelu")).activation == "gelu_tanh"
+
+    two = ModelSpec.from_hf_config(_gemma_config("gemma2", query_pre_attn_scalar=144))
+    assert two.sandwich_norms and not two.qk_norm and two.attention_scale == 144**-0.5
+    assert (two.attn_softcap, two.final_softcap) == (50.0, 30.0)  # Gemma 2's defaults
+    assert [i for i in range(12) if two.window_of(i)] == [0, 2, 4, 6, 8, 10] and two.sliding_window == 4096
+    assert two.local_rope() is None
+
+    three = ModelSpec.from_hf_config(_gemma_config("gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert three.sandwich_norms and three.qk_norm and (three.attn_softcap, three.final_softcap) == (None, None)
+    assert [i for i in range(12) if three.window_of(i) is None] == [5, 11]  # five of every six slide
+    assert (three.rope_theta, three.rope_scaling["rope_type"], three.rope_scaling["factor"]) == (1e6, "linear", 8.0)
+    local = three.local_rope()
+    assert (local.rope_theta, local.rope_scaling["rope_type"]) == (1e4, "default")
+    # max_position_embeddings is already the stretched context (vLLM reads Gemma 3 so too).
+    assert three.context_length == 131072
+
+    wrapped = ModelSpec.from_hf_config(_gemma_config("gemma3"))  # the image-text model: its text config
+    assert wrapped.qk_norm and wrapped.num_layers == 26 and wrapped.local_rope_theta == 1e4
+
+
+def test_configs_written_by_transformers_4():
+    # No layer_types (Gemma 2: every second layer slides; Gemma 3: sliding_window_pattern) and
+    # Gemma 3's bases in rope_theta / rope_local_base_freq.
+    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=8192,
+                sliding_window=512, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=8,
+                final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True)
+    two = ModelSpec.from_hf_config(SimpleNamespace(model_type="gemma2", rope_theta=10000.0, **base))
+    assert [i for i in range(8) if two.window_of(i)] == [0, 2, 4, 6]
+    three = ModelSpec.from_hf_config(SimpleNamespace(
+        model_type="gemma3_text", rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, **base))
+    assert [i for i in range(8) if three.window_of(i) is None] == [3, 7]
+    assert three.rope_theta == 1e6 and three.rope_scaling["factor"] == 8.0
+    assert three.local_rope().rope_theta == 1e4 and three.local_rope().rope_scaling["rope_type"] == "default"
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"hidden_activation": "relu"}, "hidden_act `relu`"),
+    ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping -1.0"),
+])
+def test_gemma_configs_refused_by_name(changes, message):
+    with pytest.raises(ModelError, match=message):
+        ModelSpec.from_hf_config(_gemma_config("gemma3_text", **changes))

@@ -37,7 +37,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 ARGTYPES_6 = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _I, _P, _P]
 ARGTYPES_7 = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, _P]
 # ABI 8: the cache's element type (native.KV_KINDS) before the output.
-ARGTYPES = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, ctypes.c_int, _P]
+ARGTYPES_8 = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, ctypes.c_int, _P]
+# ABI 11: the scores' tanh cap (Gemma 2; 0 here: none) after the scale.
+ARGTYPES = ARGTYPES_8[:19] + [ctypes.c_float] + ARGTYPES_8[19:]
 
 
 def build(source: Path, workdir: Path, name: str):
@@ -49,7 +51,9 @@ def build(source: Path, workdir: Path, name: str):
     lib = ctypes.CDLL(str(target))
     abi = lib.rk_abi()
     fn = lib.rk_decode_attention
-    fn.argtypes, fn.restype = {6: (ARGTYPES_6, None), 7: (ARGTYPES_7, ctypes.c_int)}.get(abi, (ARGTYPES, ctypes.c_int))
+    fn.argtypes, fn.restype = {6: (ARGTYPES_6, None), 7: (ARGTYPES_7, ctypes.c_int)}.get(
+        abi, (ARGTYPES_8 if abi <= 10 else ARGTYPES, ctypes.c_int)
+    )
     return fn, abi
 
 
@@ -88,7 +92,8 @@ class Step:
                 fn(*head, self.lengths.data_ptr(), BLOCK, 0, DIM**-0.5, self.context, self.scratch.data_ptr(),
                    self.out.data_ptr())
                 continue
-            tail = (self.table_of.data_ptr(), self.lengths.data_ptr(), BLOCK, 0, DIM**-0.5, self.context)
+            cap = () if abi <= 10 else (0.0,)
+            tail = (self.table_of.data_ptr(), self.lengths.data_ptr(), BLOCK, 0, DIM**-0.5, *cap, self.context)
             kind = () if abi == 7 else (native.KV_KINDS[kv_dtype],)
             if not fn(*head, *tail, *kind, self.out.data_ptr()):
                 raise MemoryError("rk_decode_attention could not allocate its scratch")

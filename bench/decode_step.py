@@ -1,6 +1,6 @@
 """Time of one decode step inside the torch engine, per CPU weight format and batch size (no HTTP).
 
-Builds the engine on the bundled SmolLM2 for each format, warms it up, then times ``rows``
+Builds the engine on the bundled SmolLM2 (or ``--model``, a Hugging Face folder) for each format, warms it up, then times ``rows``
 concurrent greedy generations of 101 tokens and of 1 token from the same prompts; the difference
 over 100 is one decode step of ``rows`` sequences plus the engine loop's own work (sampling,
 posting the tokens). Medians of ``--repeats``.
@@ -18,6 +18,7 @@ them); ``--kv`` builds an engine per KV cache type (kv_cache_dtype) and alternat
     .venv/bin/python bench/decode_step.py --formats int8,int4 --repeats 5
     .venv/bin/python bench/decode_step.py --formats int4 --rows 1,8,16,32,64 --torch-ops
     .venv/bin/python bench/decode_step.py --formats int4 --rows 8,32 --context 1000 --kv float32,float16 --kv-cache-gb 2
+    .venv/bin/python bench/decode_step.py --model /tmp/gemma3 --formats int4 --rows 1,8,32 --torch-ops
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=0, help="prompt tokens per sequence (default: short texts)")
     p.add_argument("--kv", default="auto", help="KV cache types, an engine each (default: auto)")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV budget of each engine (default: 0.5)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a Hugging Face folder instead of SmolLM2 (bench/random_checkpoint.py writes random ones)")
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     print(f"{'format':<8} {'kv':<8} {'rows':>4} {'step':<10} {'ms/step median':>15} {'runs':>24}")
@@ -69,7 +72,7 @@ def main() -> None:
         for fmt in args.formats.split(","):
             for kv in args.kv.split(","):
                 engines[fmt, kv] = engine_for(
-                    smollm2_folder(), weight_format=fmt, kv_cache_dtype=kv, kv_cache_gb=args.kv_cache_gb,
+                    args.model or smollm2_folder(), weight_format=fmt, kv_cache_dtype=kv, kv_cache_gb=args.kv_cache_gb,
                     max_num_seqs=max(rows), max_model_len=args.context + 128 if args.context else 512,
                 )
         # Every (format, KV type, path) in turn, so that the machine's drift spreads over them all.

@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also save every number (and machine info) here")
     p.add_argument("--model", type=Path, default=None,
                    help="a Hugging Face folder to run instead of the bundled SmolLM2 (generate() and torch only; "
-                        "bench/moe_checkpoint.py writes a random mixture of experts)")
+                        "bench/random_checkpoint.py writes a random one: a mixture of experts, a Gemma 3)")
     args = p.parse_args(argv)
     unknown = set(args.skip) - set(ENGINES)
     if unknown:

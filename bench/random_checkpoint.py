@@ -1,12 +1,15 @@
-"""Write a random mixture-of-experts checkpoint (a Hugging Face folder) to benchmark with.
+"""Write a random checkpoint (a Hugging Face folder) of a chosen architecture to benchmark with.
 
 No machine here reaches a model hub, and the only model a package ships is the dense SmolLM2, so
-the MoE figures in docs/benchmarks.md come from a random checkpoint of a chosen shape: its
-outputs are noise, but a step reads and multiplies what a trained model of that shape would, and
-with random weights the router spreads tokens over the experts about evenly. SmolLM2's tokenizer
-and chat template come along, so the router serves it as it serves any chat model.
+the figures in docs/benchmarks.md for other architectures come from random checkpoints of their
+shapes: the outputs are noise, but a step reads and multiplies what a trained model of that
+shape would, and with random weights a mixture of experts' router spreads tokens over the
+experts about evenly. SmolLM2's tokenizer and chat template come along (and its vocabulary size),
+so the router serves the folder as it serves any chat model.
 
-    .venv/bin/python bench/moe_checkpoint.py --out /tmp/moe          # Qwen3-MoE, 32 experts, 4 a token
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/moe           # Qwen3-MoE, 32 experts, 4 a token
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/moe --arch mixtral
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/gemma3 --arch gemma3   # Gemma 3 270M's layers
     .venv/bin/python bench/engines.py --model /tmp/moe --skip llamacpp --levels 1,8,32
 """
 
@@ -16,17 +19,24 @@ import argparse
 import shutil
 from pathlib import Path
 
+# Gemma 3 270M's decoder (google/gemma-3-270m's config.json): 18 layers of 640, 4 query heads on
+# one KV head of 256, an MLP of 2048, five sliding (512) layers to every full one.
+GEMMA3_270M = dict(hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                   intermediate_size=2048, query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768,
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
-    p.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
-    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
-    p.add_argument("--layers", type=int, default=12, help="decoder layers, every one sparse (default 12)")
-    p.add_argument("--heads", type=int, default=16, help="query heads (default 16; 4 KV heads)")
-    p.add_argument("--experts", type=int, default=32, help="experts per layer (default 32)")
-    p.add_argument("--top-k", type=int, default=4, help="experts a token runs through (default 4)")
-    p.add_argument("--expert-size", type=int, default=512, help="an expert's intermediate size (default 512)")
+    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gemma3"], default="qwen3_moe")
+    p.add_argument("--hidden", type=int, default=1024, help="MoE: hidden size (default 1024)")
+    p.add_argument("--layers", type=int, default=12, help="MoE: decoder layers, every one sparse (default 12)")
+    p.add_argument("--heads", type=int, default=16, help="MoE: query heads (default 16; 4 KV heads)")
+    p.add_argument("--experts", type=int, default=32, help="MoE: experts per layer (default 32)")
+    p.add_argument("--top-k", type=int, default=4, help="MoE: experts a token runs through (default 4)")
+    p.add_argument("--expert-size", type=int, default=512, help="MoE: an expert's intermediate size (default 512)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
@@ -36,23 +46,27 @@ def main() -> None:
     from backends.torch.loader import gguf_folder
     from router.config import resolve_path
 
-    common = dict(vocab_size=49152, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                  num_attention_heads=args.heads, num_key_value_heads=4, max_position_embeddings=4096,
-                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
-                  num_experts_per_tok=args.top_k)
+    common = dict(vocab_size=49152, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    moe = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+               num_key_value_heads=4, max_position_embeddings=4096, num_experts_per_tok=args.top_k)
     if args.arch == "mixtral":
-        config = AutoConfig.for_model("mixtral", **common, intermediate_size=args.expert_size,
+        config = AutoConfig.for_model("mixtral", **common, **moe, intermediate_size=args.expert_size,
                                       num_local_experts=args.experts)
-    else:
-        config = AutoConfig.for_model("qwen3_moe", **common, head_dim=args.hidden // args.heads,
+        shape = f"{args.experts} experts ({args.top_k} a token) of {args.expert_size} in each of {args.layers} layers"
+    elif args.arch == "qwen3_moe":
+        config = AutoConfig.for_model("qwen3_moe", **common, **moe, head_dim=args.hidden // args.heads,
                                       intermediate_size=4 * args.expert_size, moe_intermediate_size=args.expert_size,
                                       num_experts=args.experts, norm_topk_prob=True)
+        shape = f"{args.experts} experts ({args.top_k} a token) of {args.expert_size} in each of {args.layers} layers"
+    else:
+        config = AutoConfig.for_model("gemma3_text", **common, **GEMMA3_270M)
+        shape = "Gemma 3 270M's 18 layers"
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
+            if name.endswith("norm.weight"):  # a factor of 1 (Gemma's norms scale by 1 + weight)
+                param.fill_(0.0 if args.arch == "gemma3" else 1.0)
             else:
                 param.normal_(0.0, 0.02)
     model.save_pretrained(args.out)
@@ -61,8 +75,7 @@ def main() -> None:
         if (tokenizer / name).exists():
             shutil.copy(tokenizer / name, args.out / name)
     total = sum(t.numel() for t in model.parameters())
-    print(f"{args.out}: {args.arch}, {total / 1e6:.0f}M parameters, {args.experts} experts ({args.top_k} a token) "
-          f"of {args.expert_size} in each of {args.layers} layers")
+    print(f"{args.out}: {args.arch}, {total / 1e6:.0f}M parameters, {shape}")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arch):
-    # gemma: GeGLU, 1 + weight norms, embeddings times sqrt(64); gemma2: norms of both blocks'
-    # outputs, a window of 8 on layer 0, scores capped at 2 and logits at 10, query_pre_attn_scalar
+    # gemma: GeGLU, 1 + weight norms, embeddings times sqrt(48); gemma2: norms of both blocks'
+    # outputs, a window of 8 on layer 0, scores capped at 2 and logits at 6, query_pre_attn_scalar
     # 64 (not head_dim 16); gemma3: query and key norms, the sliding layer rotating with base 1e4,
     # the full one with 1e6 stretched 8x; gemma3-mm: the same inside an image-text checkpoint.
     assert_greedy_matches_transformers(checkpoints[arch])
@@ -41,13 +41,13 @@ async def prompt_logprobs(engine, prompt):
         return [entry.logprob for entry in step.prompt_logprobs]
 
 
-def hf_prompt_logprobs(folder, prompt, **config):
-    """transformers' float32 forward over the prompt: each next prompt token's logprob. ``config``:
-    changes to the checkpoint's config (what the engine must not ignore)."""
+def hf_prompt_logprobs(folder, prompt, dtype=torch.float32, **config):
+    """transformers' forward over the prompt (float32 unless ``dtype``): each next prompt token's
+    logprob. ``config``: changes to the checkpoint's config (what the engine must not ignore)."""
     from transformers import AutoModelForCausalLM
 
-    model = _hf_model(folder) if not config else AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch.float32, local_files_only=True, **config
+    model = _hf_model(folder) if not config and dtype == torch.float32 else AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, local_files_only=True, **config
     )
     with torch.no_grad():
         lp = model(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
@@ -58,10 +58,13 @@ def distance(a, b):
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_prompt_logprobs_match_transformers(checkpoints, arch):
+@pytest.mark.parametrize("arch,blocks", [(arch, False) for arch in ARCHS] + [("gemma2", True)])
+def test_prompt_logprobs_match_transformers(checkpoints, arch, blocks, monkeypatch):
     # Greedy tokens cannot see a cap on the logits (tanh keeps their order); logprobs see every
-    # factor. A 40-token prompt in three chunks, the last ones over the window of 8.
+    # factor. A 40-token prompt in three chunks, the last ones over the window of 8. blocks: the
+    # capped prefill's rows a few at a time (as a long context takes them).
+    if blocks:
+        monkeypatch.setattr("backends.torch.attention.CAPPED_SCORES", 100)
     folder = checkpoints[arch]
     engine = small_steps_engine(folder)
     try:
@@ -72,6 +75,22 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch):
     # Measured: about 1e-6 from transformers on each (float32 against float64 logprobs of its
     # float32 logits); dropping any one Gemma feature moves some logprob by 0.3 to 4.
     assert distance(got, hf_prompt_logprobs(folder, prompt)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
+def test_bfloat16_prompt_logprobs_match_transformers_in_bfloat16(checkpoints, arch):
+    """What CUDA runs, here on the CPU: where each step rounds to bfloat16 (norms in float32 rounded
+    once, the embeddings' factor sqrt(48) = 6.93 rounded to 6.94 first, the capped scores'
+    softmax in float32) as transformers rounds it."""
+    folder = checkpoints[arch]
+    engine = small_steps_engine(folder, dtype="bfloat16")
+    try:
+        prompt = random_prompts(4, (40,))[0]
+        got = run(prompt_logprobs(engine, prompt))
+    finally:
+        run(engine.stop())
+    # Measured: 0 apart on all three; the factor unrounded moves them by about 0.05.
+    assert distance(got, hf_prompt_logprobs(folder, prompt, torch.bfloat16)) < 0.01
 
 
 @pytest.mark.parametrize("arch,config", [
@@ -165,6 +184,45 @@ def test_an_image_text_checkpoint_gives_its_language_model_and_reads_no_vision_w
     text_only = _safetensors_weights(checkpoints["gemma3"])
     assert sorted(weights) == sorted(text_only)
     assert all(weights[k].shape == text_only[k].shape for k in weights)
+
+
+def test_language_model_names_of_an_image_text_checkpoint():
+    assert _language_model_weight("language_model.model.layers.3.mlp.up_proj.weight") == "model.layers.3.mlp.up_proj.weight"
+    assert _language_model_weight("model.language_model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert _language_model_weight("language_model.lm_head.weight") == "lm_head.weight"
+    assert _language_model_weight("lm_head.weight") == "lm_head.weight"
+    for key in ("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", "model.vision_tower.head.probe",
+                "multi_modal_projector.mm_input_projection_weight", "model.multi_modal_projector.mm_soft_emb_norm.weight"):
+        assert _language_model_weight(key) is None
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_files_are_refused_before_converting(tmp_path, arch):
+    """transformers' GGUF reader drops Gemma 3's rope scaling and the 27Bs' query scale: such a
+    file is refused (naming the llamacpp backend, which runs it as it is) before any conversion."""
+    import gguf
+
+    from backends.torch.loader import gguf_architecture, load_checkpoint
+    from torch_models import GGUF
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_architecture(path) == arch and gguf_architecture(GGUF) == "llama"
+    with pytest.raises(ValueError, match=f'a {arch} GGUF file, .*backend = "llamacpp"'):
+        load_checkpoint(path)
+    (tmp_path / "not.gguf").write_bytes(b"not a GGUF file at all")
+    assert gguf_architecture(tmp_path / "not.gguf") is None
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_float16_is_refused_for_gemma_2_and_3(checkpoints, arch):
+    with pytest.raises(ValueError, match='dtype = "float16": Gemma 2 and 3 overflow float16'):
+        small_steps_engine(checkpoints[arch], dtype="float16")
 
 
 def _gemma_config(model_type, **changes):

@@ -28,6 +28,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )
+    # Gemma: tied, and a hidden size whose square root (the embeddings' factor) bfloat16 rounds.
+    gemma = {**common, "tie_word_embeddings": True, "hidden_size": 48}
     if arch == "llama":
         config = LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -76,16 +78,16 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
     elif arch == "gemma":  # GeGLU, 1 + weight norms, scaled embeddings, tied
         from transformers import GemmaConfig
 
-        config = GemmaConfig(**{**common, "tie_word_embeddings": True}, head_dim=16)
+        config = GemmaConfig(**gemma, head_dim=16)
     elif arch == "gemma2":  # norms around both blocks' outputs, a window of 8 on layer 0, capped scores and logits
         from transformers import Gemma2Config
 
-        config = Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=64,
-                              sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=10.0)
+        config = Gemma2Config(**gemma, head_dim=16, query_pre_attn_scalar=64,
+                              sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=6.0)
     elif arch in ("gemma3", "gemma3-mm"):  # query and key norms; layer 0 slides, rotating with a base of its own
         from transformers import Gemma3Config, Gemma3TextConfig
 
-        text = Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=32,
+        text = Gemma3TextConfig(**gemma, head_dim=16, query_pre_attn_scalar=32,
                                 sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})

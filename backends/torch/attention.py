@@ -53,6 +53,11 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
+CAPPED_SCORES = 1 << 22
+"""The most scores a capped prefill computes at once (16 MiB in float32, a few copies of it alive):
+its rows go in blocks, where a whole chunk of Gemma 2 9B over an 8k context would hold about 70M."""
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,8 +135,12 @@ def _prefill(
         group = heads // kv_heads
         if mask is None:  # plain causal over a chunk that is the whole context
             mask = torch.ones(chunk, context, dtype=torch.bool, device=q.device).tril(context - chunk)
-        rows = q.transpose(0, 1).reshape(kv_heads, group * chunk, dim)
-        out = _attend(rows, keys[0], values[0], mask.repeat(group, 1), scale, softcap)
+        rows, mask = q.transpose(0, 1).reshape(kv_heads, group * chunk, dim), mask.repeat(group, 1)
+        step = max(1, CAPPED_SCORES // (kv_heads * context))  # rows at a time: the scores' memory bounded
+        out = torch.cat([
+            _attend(rows[:, i : i + step], keys[0], values[0], mask[i : i + step], scale, softcap)
+            for i in range(0, rows.shape[1], step)
+        ], dim=1)
         return out.reshape(heads, chunk, dim).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),

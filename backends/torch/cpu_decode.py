@@ -11,10 +11,10 @@ cache gather, attention, residual adds), and even one Python call per kernel (27
     SiLU (GELU for Gemma) * up + quantize -> down_proj (added, the same way)
 
 and the final norm and LM head for the rows that sample. Gemma's embedding factor and logit cap
-are applied here, around the call; its ``1 + weight`` norms reach C as their float32 factors. The model's weights are described to C
-once (:class:`RkModel`); a step passes only its tokens' places. The numbers are those of the
-packed format's C-kernel path up to float rounding (tested token for token), and a row's are the
-same whatever else the step holds.
+are applied here, around the call; its ``1 + weight`` norms reach C as their float32 factors.
+The model's weights are described to C once (:class:`RkModel`); a step passes only its tokens'
+places. The numbers are those of the packed format's C-kernel path up to float rounding (tested
+token for token), and a row's are the same whatever else the step holds.
 
 Which steps: every step that decodes, whatever its size, and the steps where prompt chunks join
 them, unless those chunks are long (:data:`PROMPT_POSITIONS`); those, and other weight formats,
@@ -122,7 +122,7 @@ class CpuDecoder:
                 q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm),
                 qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
                 cos=cos, sin=sin, attn_out_norm=norm(layer.attn_out_norm), mlp_out_norm=norm(layer.mlp_out_norm),
-                out_eps=spec.rms_norm_eps,
+                out_eps=layer.attn_out_norm.eps if layer.attn_out_norm is not None else 0.0,
             )
         self._layers = layers
         head = model.lm_head

@@ -72,6 +72,40 @@ def gguf_folder(path: Path) -> Path:
         return _convert_gguf(path, folder)
 
 
+GGUF_REFUSED = ("gemma2", "gemma3")
+"""GGUF architectures transformers' reader converts wrongly: it keeps none of a Gemma 3's rope
+scaling (4B and up), nor the 27B models' query scale (llama.cpp derives both Gemmas' from the
+model's size); llama.cpp runs these files as they are (``backend = "llamacpp"``)."""
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """A GGUF file's ``general.architecture`` (None if its first metadata does not say), read from
+    the header alone: transformers' and gguf's readers parse every tensor's entry first (seconds)."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    key = b"general.architecture"
+    at = head.find(struct.pack("<Q", len(key)) + key)
+    if head[:4] != b"GGUF" or at < 0:
+        return None
+    at += 8 + len(key)
+    kind, size = struct.unpack_from("<IQ", head, at)
+    if kind != 8 or size > 256:  # 8: a string
+        return None
+    return head[at + 12 : at + 12 + size].decode("utf-8", "replace")
+
+
+def _check_gguf_architecture(path: Path) -> None:
+    arch = gguf_architecture(path)
+    if arch in GGUF_REFUSED:
+        raise ValueError(
+            f"{path}: a {arch} GGUF file, which transformers' reader converts without Gemma's rope scaling "
+            f"and query scale; serve its Hugging Face folder with the torch backend, or this file with "
+            f'backend = "llamacpp"'
+        )
+
+
 def _convert_gguf(path: Path, folder: Path) -> Path:
     if (folder / "config.json").is_file():  # converted by another thread meanwhile
         return folder
@@ -113,6 +147,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
         from transformers import AutoConfig, AutoTokenizer
 
         if path.is_file() and path.suffix == ".gguf":
+            _check_gguf_architecture(path)
             path = gguf_folder(path)
         if not path.is_dir():
             raise FileNotFoundError(f"no model folder or .gguf file at {path}")

@@ -101,6 +101,11 @@ class ModelSpec:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
+    def float16_overflows(self) -> bool:
+        """Gemma 2 and 3: activations outgrow float16's range (vLLM refuses float16 for them too)."""
+        return self.sandwich_norms
+
+    @property
     def attention_scale(self) -> float:
         """The factor on query-key dot products."""
         return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
@@ -217,7 +222,10 @@ class ModelSpec:
                         raise ModelError(f"rope scaling `longrope` needs `{key}`: a list of {pairs} numbers, one per rotated pair")
         window, sliding_layers = _sliding_window(cfg, model_type)
         qwen2 = model_type in ("qwen2", "qwen2_moe")
-        softcaps = {key: getattr(cfg, key, None) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+        # Gemma's keys, read for Gemma only (transformers ignores them elsewhere).
+        softcaps = {
+            key: getattr(cfg, key, None) if gemma else None for key in ("attn_logit_softcapping", "final_logit_softcapping")
+        }
         for key, cap in softcaps.items():
             if cap is not None and not cap > 0:
                 raise ModelError(f"{key} {cap} must be a positive number")
@@ -248,7 +256,8 @@ class ModelSpec:
             embed_scale=cfg.hidden_size**0.5 if gemma else None,
             offset_norms=gemma,
             sandwich_norms=model_type in ("gemma2", "gemma3_text"),
-            query_scale=cfg.query_pre_attn_scalar**-0.5 if getattr(cfg, "query_pre_attn_scalar", None) else None,
+            query_scale=cfg.query_pre_attn_scalar**-0.5 if gemma and getattr(cfg, "query_pre_attn_scalar", None)
+            else None,
             attn_softcap=softcaps["attn_logit_softcapping"],
             final_softcap=softcaps["final_logit_softcapping"],
             local_rope_theta=float(local.get("rope_theta", 10000.0)) if local is not None else None,

@@ -64,6 +64,9 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) ->
     def load():  # type: ignore[no-untyped-def]
         # Runs on the engine thread; the budget needs the weights' size, hence decided here.
         checkpoint = load_checkpoint(path)
+        if dtype == torch.float16 and checkpoint.spec.float16_overflows:
+            raise ValueError('dtype = "float16": Gemma 2 and 3 overflow float16 (numerically unstable); '
+                             'use "bfloat16" or "float32"')
         files = [folder / "adapter_model.safetensors" for folder in options.lora_modules.values()]
         adapter_bytes = sum(f.stat().st_size for f in files if f.is_file())
         options.kv_cache_bytes = kv_budget(config, device, dtype, checkpoint, adapter_bytes)

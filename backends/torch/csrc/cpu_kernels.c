@@ -767,8 +767,9 @@ void rk_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const u
     }
 }
 
-/* Qwen3's norms of each query and key head (before rotary), in place on qkv [M, (H + 2 KVH) D]
- * (row stride qs): RMSNorm over each head's D values, with the query or the key weight. */
+/* Qwen3's and Gemma 3's norms of each query and key head (before rotary), in place on qkv
+ * [M, (H + 2 KVH) D] (row stride qs): RMSNorm over each head's D values, times the query or the
+ * key factors. */
 static void head_norms(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const float *qn,
                        const float *kn, float eps) {
     for (int64_t m = 0; m < M; m++)
@@ -831,6 +832,7 @@ static void lora_add(const rk_lora *table, int64_t adapters, int64_t layers, int
 
 /* A whole decode step, for the weights of one model (see cpu_decode.py, which fills these). */
 typedef struct {
+    /* Every norm's factors are float32 per dimension: the weight, or Gemma's 1 + weight. */
     const float *ln1, *ln2;
     float eps1, eps2;
     const uint8_t *qkv, *o, *gate_up, *down; /* packed weights */
@@ -838,7 +840,7 @@ typedef struct {
     int64_t qkv_kp, o_kp, gate_up_kp, down_kp; /* padded input sizes */
     void *k_cache, *v_cache; /* of the model's kv_kind */
     int64_t window; /* the layer's sliding window; 0: it attends to every position */
-    const float *q_norm, *k_norm; /* Qwen3's RMSNorm weights [head_dim] per query / key head; NULL: none */
+    const float *q_norm, *k_norm; /* Qwen3's and Gemma 3's [head_dim] per query / key head; NULL: none */
     float qk_eps;
     const float *cos, *sin; /* the layer's rotary tables (Gemma 3's sliding layers have their own) */
     /* Gemma 2/3: norms of the attention's and the MLP's outputs before their residual adds; NULL: none */

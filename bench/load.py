@@ -4,6 +4,11 @@ Prints the load time, the process's peak RSS (VmHWM) and its RSS once loaded, th
 token time of ``--prompts`` prompts of ``--prompt-tokens`` random token ids, one at a time,
 prefix cache off (each computes its whole prompt). Run it once per tree or option to compare.
 
+RSS counts the pages of the safetensors files the loader has read: they are mapped, and clean
+(the kernel drops them under pressure rather than failing), so the peak of the process's own
+memory (RssAnon, sampled every 10 ms while loading) is printed beside it: what a machine must
+have free.
+
     .venv/bin/python bench/load.py /tmp/moe --weight-format int4
     .venv/bin/python bench/load.py /tmp/moe --weight-format native --prompts 0
 """
@@ -18,14 +23,36 @@ from pathlib import Path
 
 
 def memory_mib() -> dict[str, int]:
-    """VmHWM and VmRSS of this process, MiB."""
+    """VmHWM, VmRSS and RssAnon of this process, MiB."""
     out = {}
     with open("/proc/self/status") as status:
         for line in status:
             key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
+            if key in ("VmHWM", "VmRSS", "RssAnon"):
                 out[key] = int(value.split()[0]) // 1024
     return out
+
+
+class AnonPeak:
+    """The largest RssAnon seen by a thread polling every 10 ms while the block runs."""
+
+    def __enter__(self) -> "AnonPeak":
+        import threading
+
+        self.peak, self._done = 0, threading.Event()
+
+        def poll() -> None:
+            while not self._done.wait(0.01):
+                self.peak = max(self.peak, memory_mib()["RssAnon"])
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, memory_mib()["RssAnon"])
 
 
 async def first_token_s(engine, prompt: list[int]) -> float:  # type: ignore[no-untyped-def]
@@ -53,11 +80,13 @@ def main() -> None:
                          kv_cache_gb=args.kv_cache_gb, max_model_len=max(2048, args.prompt_tokens + 1),
                          prefix_caching=False)
     started = time.perf_counter()
-    engine = build_engine(config, args.model)
+    with AnonPeak() as anon:
+        engine = build_engine(config, args.model)
     loaded = time.perf_counter() - started
     memory = memory_mib()
-    print(f"{args.model} ({args.weight_format}): loaded in {loaded:.1f} s; peak RSS {memory['VmHWM']:,} MiB, "
-          f"RSS after load {memory['VmRSS']:,} MiB ({args.kv_cache_gb} GiB KV cache)")
+    print(f"{args.model} ({args.weight_format}): loaded in {loaded:.1f} s; peak RSS {memory['VmHWM']:,} MiB "
+          f"(anonymous {anon.peak:,}), RSS after load {memory['VmRSS']:,} MiB (anonymous {memory['RssAnon']:,}; "
+          f"{args.kv_cache_gb} GiB KV cache)")
     rng = random.Random(7)
     vocab = engine.tokenizer.vocab_size
     times = []

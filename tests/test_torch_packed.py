@@ -175,3 +175,50 @@ def test_packed_formats_are_cpu_float32_formats(tmp_path, fmt):
     cfg = TorchConfig(name="t", backend="torch", path=str(folder), weight_format=fmt, dtype="bfloat16")
     with pytest.raises(ValueError, match=f'weight_format = "{fmt}" is for the CPU with dtype float32'):
         build_engine(cfg, folder)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4"])
+def test_a_packed_model_is_packed_layer_by_layer_as_it_loads(tmp_path, fmt):
+    """Each decoder layer is packed as soon as its weights are in, and its float weights are
+    freed then (nothing keeps the replaced modules): loading never holds the whole float model
+    beside the packed one. The result is the model packed after loading."""
+    import gc
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from backends.torch.loader import load_checkpoint
+    from backends.torch.model import CausalLM
+    from backends.torch.quantize import PACKINGS
+
+    folder = tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    checkpoint = load_checkpoint(folder)
+    spec, packed_before = checkpoint.spec, []
+
+    def pack(module):
+        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        if isinstance(module, CausalLM):  # the last call: only the LM head is left
+            assert linears == [module.lm_head]
+        else:
+            assert len(linears) == 4  # this layer's qkv, o, gate_up, down
+            floats.append([weakref.ref(m) for m in linears])
+            gc.collect()
+            # Every earlier layer's float modules are gone once it was packed.
+            packed_before.append(all(r() is None for refs in floats[:-1] for r in refs))
+        PACKINGS[fmt](module)
+
+    floats: list[list[weakref.ref]] = []
+    model = CausalLM.from_state_dict(spec, 64, dict(checkpoint.weights), pack=pack)
+    assert len(floats) == spec.num_layers and all(packed_before)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+
+    reference = CausalLM.from_state_dict(spec, 64, dict(load_checkpoint(folder).weights))
+    PACKINGS[fmt](reference)
+    for ours, theirs in zip(model.modules(), reference.modules()):
+        assert type(ours) is type(theirs)
+        if hasattr(ours, "_packed"):
+            a, b = ours._packed, theirs._packed
+            if not isinstance(a, torch.Tensor):  # fbgemm's fp16 packing: its weight and bias back
+                a, b = torch.ops.quantized.linear_unpack_fp16(a)[0], torch.ops.quantized.linear_unpack_fp16(b)[0]
+            assert torch.equal(a, b)

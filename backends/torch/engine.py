@@ -141,20 +141,15 @@ class TorchEngine:
         self._block_bytes = per_block
         # A sequence can never be longer than the whole cache.
         self.max_model_len = min(options.max_model_len, spec.context_length, pool_blocks * options.block_size)
-        model = CausalLM.from_state_dict(spec, self.max_model_len, checkpoint.weights, options.dtype)
+        pack = None  # the packed formats pack each layer as it loads (CPU, float32)
+        if options.weight_format != "native":
+            from .quantize import PACKINGS
+
+            pack = PACKINGS[options.weight_format]
+        model = CausalLM.from_state_dict(spec, self.max_model_len, checkpoint.weights, options.dtype, pack)
         checkpoint.weights.clear()
-        self.model = model.to(device=options.device, dtype=options.dtype).eval()
-        if options.weight_format == "fp16":
-            from .quantize import pack_fp16_weights
-
-            pack_fp16_weights(self.model)
-        elif options.weight_format in ("int8", "int4"):
-            from .quantize import pack_int4_weights, pack_int8_weights
-
-            (pack_int8_weights if options.weight_format == "int8" else pack_int4_weights)(self.model)
-        for rotary in (self.model.rotary, self.model.local_rotary):
-            if rotary is not None:
-                rotary.to(torch.float32)  # the tables stay exact; cast per use
+        # Already in options.dtype; the rotary tables stay float32 (exact), cast per use.
+        self.model = model.to(device=options.device).eval()
         release_freed_memory()
         self.kv = KVCache.allocate(
             spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, options.device

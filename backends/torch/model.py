@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -626,19 +626,25 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_state_dict(
-        cls, spec: ModelSpec, max_len: int, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+        cls, spec: ModelSpec, max_len: int, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+        pack: Callable[[nn.Module], None] | None = None,
     ) -> "CausalLM":
         """The model with ``state``'s tensors as its weights, in ``dtype`` (taken out of
         ``state``). Built on the meta device first, so that no memory is allocated and randomly
         initialised for weights about to be replaced, and a bfloat16 checkpoint for a bfloat16
-        model is never widened to float32 on the way."""
+        model is never widened to float32 on the way.
+
+        ``pack`` (a weight format's packing, :mod:`.quantize`): called on each decoder layer as
+        soon as its weights are in, then on the whole model (what is left: the LM head), so that
+        a packed model is never whole in ``dtype``: loading holds the packed layers and one layer
+        in ``dtype``, not the float model too."""
         with torch.device("meta"):
             model = cls(spec, 1).to(dtype)
         model._rotaries(max_len)  # computed, not loaded
-        model.load_hf_state_dict(state)
-        missing = [name for name, p in model.named_parameters() if p.is_meta]
-        if missing:
-            raise ModelError(f"checkpoint has no weight `{missing[0]}`")
+        model.load_hf_state_dict(state, pack)
+        _all_loaded(model)
+        if pack is not None:
+            pack(model)
         return model
 
     def forward(
@@ -654,9 +660,10 @@ class CausalLM(nn.Module):
         # Only rows that sample need the (large) vocabulary projection.
         return self.softcap_logits(self.lm_head(self.norm(x[logits_rows])))
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor], loaded: Callable[[nn.Module], None] | None = None) -> None:
         """Copy weights named as in Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM (and the
-        other supported architectures' own names)."""
+        other supported architectures' own names). ``loaded``: called on each decoder layer once
+        its weights are all in."""
         spec = self.spec
         weights = WeightReader(state, ModelError, self)
         weights.copy(self.embed_tokens.weight, "embed_tokens.weight")
@@ -695,6 +702,9 @@ class CausalLM(nn.Module):
                 weights.copy(layer.mlp_out_norm.weight, p + "post_feedforward_layernorm.weight")
             else:
                 weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+            if loaded is not None:
+                _all_loaded(layer, p)
+                loaded(layer)
         weights.copy(self.norm.weight, "norm.weight")
         extra = next((key for key in state if ".experts." in key), None)
         if extra is not None:  # every expert the config has was taken
@@ -704,3 +714,10 @@ class CausalLM(nn.Module):
             state.pop("lm_head.weight", None)
         else:
             weights.copy(self.lm_head.weight, "lm_head.weight")
+
+
+def _all_loaded(module: nn.Module, prefix: str = "") -> None:
+    """Refuse a module some of whose weights the checkpoint did not give (still on the meta device)."""
+    missing = next((name for name, p in module.named_parameters() if p.is_meta), None)
+    if missing is not None:
+        raise ModelError(f"checkpoint has no weight `{prefix}{missing}`")

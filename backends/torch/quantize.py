@@ -262,3 +262,10 @@ def pack_int4_weights(model: nn.Module) -> None:
     """``weight_format = "int4"``: the decoder's projections at 4 bits, the LM head at 8 (as GGUF
     files keep their output and embedding tensors at higher precision)."""
     replace_linears(model, lambda linear, name, expert: PackedLinear(linear, 8 if name == "lm_head" else 4, fp16_copy=not expert))
+
+
+PACKINGS: dict[str, Callable[[nn.Module], None]] = {
+    "fp16": pack_fp16_weights, "int8": pack_int8_weights, "int4": pack_int4_weights,
+}
+"""Each packed ``weight_format``'s packing of a module's linear layers (any part of a model: the
+loader packs a layer at a time)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -21,7 +22,10 @@ class WeightReader:
     def __init__(self, state: dict[str, torch.Tensor], error: Callable[[str], Exception], model: nn.Module) -> None:
         self.state = state
         self.error = error
-        self._owners = {id(p): (m, name) for m in model.modules() for name, p in m.named_parameters(recurse=False)}
+        # Weak: a layer packed as soon as it is loaded drops its float modules (CausalLM.from_state_dict).
+        self._owners = {
+            id(p): (weakref.ref(m), name) for m in model.modules() for name, p in m.named_parameters(recurse=False)
+        }
         self._read = {t.untyped_storage().data_ptr() for t in state.values()}  # the file's own tensors
 
     def has(self, name: str) -> bool:
@@ -39,7 +43,8 @@ class WeightReader:
         if param.shape != value.shape:
             raise self.error(f"weight `{name}` has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
         if param.is_meta:
-            module, attr = self._owners[id(param)]
+            owner, attr = self._owners[id(param)]
+            module = owner()
             # A tensor read from a safetensors file (or a view of one) is copied: it views the
             # file's mapping, which would stay mapped (and break if the file were rewritten) while
             # a parameter held it. Tensors made while loading (fused q/k/v, gate/up) are kept.

@@ -610,7 +610,7 @@ class CausalLM(nn.Module):
 
     def embed_scale(self, dtype: torch.dtype) -> float | None:
         """Gemma's embedding factor rounded to ``dtype`` (transformers multiplies by it as a
-        tensor of the weights' dtype: sqrt(2304) is 48.0 in bfloat16); None: no factor."""
+        tensor of the weights' dtype: sqrt(3072) = 55.43 is 55.5 in bfloat16); None: no factor."""
         if self.spec.embed_scale is None:
             return None
         scale = self._embed_scales.get(dtype)

@@ -1,5 +1,5 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 checkpoints and mixtures of experts (Mixtral,
+random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE) built from a config, no download."""
 
 from __future__ import annotations
@@ -97,6 +97,14 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                           image_size=28, patch_size=14)
             config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
                                   boi_token_index=49149, eoi_token_index=49150, image_token_index=49151)
+    elif arch == "gpt_oss":  # 4 experts, 2 a token; sinks; a window of 8 on layer 0; YaRN; a clamp these weights reach
+        from transformers import GptOssConfig
+
+        config = GptOssConfig(**common, head_dim=16, num_local_experts=4,
+                              num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.25,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 128})
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -115,6 +123,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
+            if name.endswith(".sinks"):
+                p.add_(1.0)  # gpt-oss: sinks that take a fair share of each softmax
             if arch.startswith(("gemma2", "gemma3")) and name.endswith(("post_attention_layernorm.weight",
                                                                          "post_feedforward_layernorm.weight")):
                 # Gemma 2/3 normalise each block's output before adding it: at a scale of about 1
@@ -233,3 +243,53 @@ def merged_checkpoint(base: Path, adapter: Path, out: Path) -> Path:
         if (base / f).exists():
             shutil.copy(base / f, out / f)
     return out
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., K]`` (K a multiple of 32) as MXFP4: blocks ``[..., K/32, 16]`` (two e2m1 values a
+    byte, the first in the low nibble) and scales ``[..., K/32]`` (``2 ** (scale - 127)``), each
+    block's power of two the smallest that brings its largest value within 6, values rounded to
+    the nearest e2m1 (a test's quantizer: gpt-oss's checkpoints come quantized)."""
+    levels = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    scaled = groups / torch.exp2(exponent)
+    index = (scaled.abs().unsqueeze(-1) - levels).abs().argmin(-1)
+    nibbles = (index | ((scaled < 0) & (index > 0)).long() << 3).to(torch.uint8)
+    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8)
+
+
+def gpt_oss_mxfp4(folder: Path, out: Path, reference: Path) -> tuple[Path, Path]:
+    """The tiny gpt-oss at ``folder`` with its experts in MXFP4 as the released checkpoints store
+    them (``out``: ``experts.gate_up_proj_blocks`` / ``_scales``, ``[E, out, in/32, 16]``), and
+    transformers' float checkpoint of the same (rounded) weights (``reference``)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from backends.torch.weights import dequantize_mxfp4
+
+    model = _hf_model(folder)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    packed = {}
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_quantize(state[key].transpose(1, 2))  # transformers holds [E, in, out]
+        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+        state[key] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
+    rounded = type(model)(model.config)
+    rounded.load_state_dict(state)
+    rounded.save_pretrained(reference)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v for k, v in state.items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**tensors, **packed}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((reference / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.layers.*.mlp.router"]}
+    (out / "config.json").write_text(json.dumps(config))
+    for directory in (out, reference):
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (folder / name).exists():
+                shutil.copy(folder / name, directory / name)
+    return out, reference

@@ -15,9 +15,10 @@ into it, gathered ones widened back.
 Layers with a sliding window (all of Mistral's, some of Qwen2's, Qwen3's or Gemma's) take the
 step's window masks, the others its full ones; the runner builds only the kinds the model has.
 
-Gemma 2 caps its scores (``cap * tanh(score / cap)``) before the softmax, which SDPA cannot do:
-those layers compute the scores, the cap and the softmax as separate operations, as
-transformers' eager attention does.
+Gemma 2 caps its scores (``cap * tanh(score / cap)``) before the softmax, and gpt-oss adds a
+learned logit per head to each softmax (a "sink" that takes some of the weight and passes no
+value), neither of which SDPA can do: those layers compute the scores, the cap or the sink and
+the softmax as separate operations, as transformers' eager attention does.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class AttentionMetadata:
 
 
 CAPPED_SCORES = 1 << 22
-"""The most scores a capped prefill computes at once (16 MiB in float32, a few copies of it alive):
-its rows go in blocks, where a whole chunk of Gemma 2 9B over an 8k context would hold about 70M."""
+"""The most scores a prefill written out (caps, sinks) computes at once (16 MiB in float32, a few
+copies of it alive): its rows go in blocks, where a whole chunk of Gemma 2 9B over an 8k context
+would hold about 70M."""
 
 
 def paged_attention(
@@ -67,46 +69,58 @@ def paged_attention(
     scale: float,
     sliding: bool = False,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim].
     ``sliding``: the layer attends within the model's sliding window (the window masks);
-    ``softcap``: the scores' tanh cap, if any."""
+    ``softcap``: the scores' tanh cap, if any; ``sinks``: the sink logit of each head ``[heads]``."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     decode_mask = meta.decode_window_mask if sliding else meta.decode_mask
     if meta.num_decode and not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, decode_mask, scale, softcap)
+        return _decode(q, k_cache, v_cache, meta, decode_mask, scale, softcap, sinks)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_cache, v_cache, meta, decode_mask, scale, softcap)
+        out[: meta.num_decode] = _decode(
+            q[: meta.num_decode], k_cache, v_cache, meta, decode_mask, scale, softcap, sinks
+        )
     for span in meta.prefills:
         mask = span.window_mask if sliding else span.mask
         out[span.start : span.end] = _prefill(
-            q[span.start : span.end], k_cache, v_cache, span.slots, mask, scale, softcap
+            q[span.start : span.end], k_cache, v_cache, span.slots, mask, scale, softcap, sinks
         )
     return out
 
 
 def _attend(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    softcap: float | None,
+    softcap: float | None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA over ``q [..., n, dim]`` and ``keys``, ``values [..., context, dim]`` (equal head
-    counts, or one KV head broadcast over a group of query heads), or with ``softcap`` the same
-    arithmetic written out with the cap: scores, cap, mask, softmax in float32."""
-    if softcap is None:
+    counts, or one KV head broadcast over a group of query heads), or with ``softcap`` or
+    ``sinks`` (each row's sink logit, shaped as the scores' ``[..., n, 1]``) the same arithmetic
+    written out as transformers' eager attention does it: scores, cap, mask, the softmax in
+    float32 (with sinks: over the scores and the sink, less their maximum, in the scores' dtype;
+    the sink's share then dropped)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+    if sinks is None:
+        return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+    scores = torch.cat((scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)), dim=-1)
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    probs = F.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
 
 
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, mask: torch.Tensor | None,
-    scale: float, softcap: float | None = None,
+    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n, context = meta.decode_slots.shape
     kv_heads, dim = k_cache.shape[1:]
@@ -118,17 +132,18 @@ def _decode(
     # the memory-efficient kernel, which refuses enable_gqa in many torch versions), and one
     # [n, 1, 1, context] mask covers them all.
     group = q.shape[1] // kv_heads
-    out = _attend(q.reshape(n, kv_heads, group, dim), keys, values, mask, scale, softcap)
+    sink = sinks.view(kv_heads, group, 1) if sinks is not None else None  # head j * group + g's
+    out = _attend(q.reshape(n, kv_heads, group, dim), keys, values, mask, scale, softcap, sink)
     return out.reshape(n, kv_heads * group, dim)
 
 
 def _prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-    scale: float, softcap: float | None = None,
+    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
     values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         # The chunk's query heads that share a KV head as one [group x chunk] block of rows.
         chunk, heads, dim = q.shape
         kv_heads, context = keys.shape[1], keys.shape[2]
@@ -136,9 +151,13 @@ def _prefill(
         if mask is None:  # plain causal over a chunk that is the whole context
             mask = torch.ones(chunk, context, dtype=torch.bool, device=q.device).tril(context - chunk)
         rows, mask = q.transpose(0, 1).reshape(kv_heads, group * chunk, dim), mask.repeat(group, 1)
+        sink = None  # row g * chunk + c of KV head j: head j * group + g's sink
+        if sinks is not None:
+            sink = sinks.view(kv_heads, group, 1, 1).expand(kv_heads, group, chunk, 1).reshape(kv_heads, -1, 1)
         step = max(1, CAPPED_SCORES // (kv_heads * context))  # rows at a time: the scores' memory bounded
         out = torch.cat([
-            _attend(rows[:, i : i + step], keys[0], values[0], mask[i : i + step], scale, softcap)
+            _attend(rows[:, i : i + step], keys[0], values[0], mask[i : i + step], scale, softcap,
+                    sink[:, i : i + step] if sink is not None else None)
             for i in range(0, rows.shape[1], step)
         ], dim=1)
         return out.reshape(heads, chunk, dim).transpose(0, 1)

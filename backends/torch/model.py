@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral, Phi-3, Gemma 1/2/3, and the
-mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE) as plain torch modules.
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -9,6 +9,8 @@ embeddings. Gemma's differences are flags of :class:`ModelSpec`: GeGLU (tanh GEL
 scale by ``1 + weight``, embeddings scaled by sqrt(hidden size), Gemma 2/3's norms around each
 block's output as well as its input, a query scale of its own, tanh soft caps on attention
 scores and logits (Gemma 2), and Gemma 3's second rotary base for its sliding-window layers.
+gpt-oss's are too: attention sinks (a learned logit per head in every softmax), and a mixture
+of experts routed by the softmax of its top-k logits, experts with biases and a clamped SwiGLU.
 Every forward pass works on a flat batch of tokens from many sequences at once (continuous
 batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
@@ -84,9 +86,18 @@ class ModelSpec:
     local_rope_scaling: dict[str, Any] | None = None
     # max_position_embeddings already counts the rope scaling's stretch (Gemma 3, as vLLM reads it).
     scaled_max_position: bool = False
+    float_norms: bool = False  # norms multiply by their weight in float32, rounded once (gpt-oss; Gemma's too)
+    # gpt-oss: a learned logit per query head joins every softmax of its attention (the "sink").
+    attention_sinks: bool = False
+    # gpt-oss's mixture of experts: the router has a bias and softmaxes its top-k logits only;
+    # experts have biases and a clamped SwiGLU, (alpha, limit).
+    router_bias: bool = False
+    softmax_top_k: bool = False
+    expert_bias: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
-                 "gemma", "gemma2", "gemma3_text", "gemma3")
+                 "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -263,6 +274,8 @@ class ModelSpec:
             local_rope_theta=float(local.get("rope_theta", 10000.0)) if local is not None else None,
             local_rope_scaling=local_scaling,
             scaled_max_position=model_type == "gemma3_text",
+            float_norms=gemma or model_type == "gpt_oss",
+            attention_sinks=model_type == "gpt_oss",
         )
 
 
@@ -288,21 +301,28 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     """The mixture-of-experts fields of :class:`ModelSpec`, as transformers builds the layers:
     Mixtral's every layer is sparse, its experts of ``intermediate_size``, their weights always
     renormalised; Qwen2-MoE's and Qwen3-MoE's layers are sparse but for ``mlp_only_layers`` and
-    those off ``decoder_sparse_step``, their experts of ``moe_intermediate_size``."""
+    those off ``decoder_sparse_step``, their experts of ``moe_intermediate_size``; gpt-oss's
+    every layer, experts of ``intermediate_size``."""
     if model_type == "mixtral":
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, True, ()
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         experts, size, normalize = cfg.num_experts, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob)
         step, only = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or ())
         dense = tuple(i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step)
+    elif model_type == "gpt_oss":  # the softmax over the chosen logits sums to 1 already
+        experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, False, ()
     else:
         return {}
     top_k = cfg.num_experts_per_tok
     if experts and not 1 <= top_k <= experts:
         raise ModelError(f"num_experts_per_tok {top_k} must be from 1 to the number of experts, {experts}")
     shared = getattr(cfg, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    gpt_oss = model_type == "gpt_oss"
+    # transformers 4 kept gpt-oss's alpha in its code (1.702); 5 reads it from the config.
+    swiglu = (float(getattr(cfg, "swiglu_alpha", 1.702)), float(cfg.swiglu_limit)) if gpt_oss else None
     return dict(num_experts=experts, experts_per_token=top_k, expert_size=size, normalize_routing=normalize,
-                float_routing_weights=model_type == "mixtral", shared_expert_size=shared or 0, dense_layers=dense)
+                float_routing_weights=model_type == "mixtral", shared_expert_size=shared or 0, dense_layers=dense,
+                router_bias=gpt_oss, softmax_top_k=gpt_oss, expert_bias=gpt_oss, clamped_swiglu=swiglu)
 
 
 def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
@@ -310,17 +330,17 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     Phi-3 slide on every layer, and Qwen3-MoE does with ``use_sliding_window`` (its config drops
     the window without it); the other Qwens only with ``use_sliding_window``, on the layers
     ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Gemma 2
-    and 3 on the layers ``layer_types`` names (else every second, or five of every six);
-    Llama and Gemma never."""
+    and 3 and gpt-oss on the layers ``layer_types`` names (else every second, or five of every
+    six); Llama and Gemma never."""
     window = getattr(cfg, "sliding_window", None)
     if model_type in ("llama", "gemma") or not window:
         return None, None
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text"):  # every 2nd layer (Gemma 2), 5 of every 6 (Gemma 3) slide
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss"):  # every 2nd layer (Gemma 2, gpt-oss), 5 of 6 (Gemma 3)
         if types is None:  # transformers 4.x: the pattern alone
-            pattern = 2 if model_type == "gemma2" else getattr(cfg, "sliding_window_pattern", 6)
+            pattern = getattr(cfg, "sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg.num_hidden_layers)]
         layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
         return (int(window), layers) if layers else (None, None)
@@ -492,26 +512,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, h
 
 class RMSNorm(nn.Module):
     """``x / rms(x)`` times a weight per dimension: Llama's (the normalised ``x`` rounded to the
-    model's dtype, then scaled), or with ``offset`` Gemma's (scaled by ``1 + weight`` in float32,
-    rounded once)."""
+    model's dtype, then scaled), with ``float_scale`` gpt-oss's (scaled in float32, rounded once),
+    or with ``offset`` Gemma's (scaled by ``1 + weight`` in float32, rounded once)."""
 
-    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
+    def __init__(self, size: int, eps: float, offset: bool = False, float_scale: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.offset = offset
+        self.float_scale = float_scale or offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x * (1.0 + self.weight.float())).to(dtype)
+        if self.float_scale:
+            return (x * self.scale()).to(dtype)
         return self.weight * x.to(dtype)
 
     def scale(self) -> torch.Tensor:
         """The float32 factor per dimension (what the C kernels multiply by)."""
         return 1.0 + self.weight.float() if self.offset else self.weight.float()
+
+
+def _norm(spec: ModelSpec, size: int) -> RMSNorm:
+    """One of the model's norms, in its family's arithmetic."""
+    return RMSNorm(size, spec.rms_norm_eps, spec.offset_norms, spec.float_norms)
 
 
 class Attention(nn.Module):
@@ -528,9 +554,9 @@ class Attention(nn.Module):
         self.softcap = spec.attn_softcap
         self.half = spec.head_dim // 2
         self.sliding = spec.window_of(layer) is not None
-        norm = lambda: RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.offset_norms)  # noqa: E731
-        self.q_norm = norm() if spec.qk_norm else None
-        self.k_norm = norm() if spec.qk_norm else None
+        self.q_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
+        self.k_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -542,23 +568,33 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *rope, self.half)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap)
+        out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
     """A gated MLP, ``down(act(gate(x)) * up(x))`` with gate and up in one matmul: SwiGLU
-    (``act`` SiLU), or Gemma's GeGLU (``activation="gelu_tanh"``: GELU's tanh form)."""
+    (``act`` SiLU), or Gemma's GeGLU (``activation="gelu_tanh"``: GELU's tanh form), or with
+    ``clamp = (alpha, limit)`` gpt-oss's experts' clamped SwiGLU: the gate clamped to at most
+    ``limit``, up to within it, ``gate * sigmoid(alpha * gate) * (up + 1)``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu") -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu",
+        clamp: tuple[float, float] | None = None,
+    ) -> None:
         super().__init__()
         self.intermediate = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gelu = activation == "gelu_tanh"
+        self.clamp = clamp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        if self.clamp is not None:
+            alpha, limit = self.clamp
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * alpha)))
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(gate * up)
 
@@ -569,7 +605,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
-        norm = lambda: RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.offset_norms)  # noqa: E731
+        norm = lambda: _norm(spec, spec.hidden_size)  # noqa: E731
         self.input_layernorm = norm()
         self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = norm()  # Llama's name for the MLP's input norm
@@ -577,7 +613,9 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = norm() if spec.sandwich_norms else None
         self.mlp: MLP | SparseMoE
         if spec.is_sparse(layer):
-            self.mlp = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size, activation=spec.activation))
+            self.mlp = SparseMoE(spec, lambda size: MLP(
+                spec.hidden_size, size, spec.expert_bias, spec.activation, spec.clamped_swiglu
+            ))
         else:
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.activation)
 
@@ -596,7 +634,7 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.offset_norms)
+        self.norm = _norm(spec, spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self._rotaries(max_len)
         self._embed_scales: dict[torch.dtype, float] = {}
@@ -686,6 +724,8 @@ class CausalLM(nn.Module):
             weights.copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
             if spec.o_bias:
                 weights.copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
+            if attn.sinks is not None:
+                weights.copy(attn.sinks, p + "self_attn.sinks")
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.load(p, weights)
             else:

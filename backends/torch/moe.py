@@ -1,10 +1,11 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) as plain torch modules.
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) as plain torch modules.
 
 A router (``gate``) scores every expert for every token; each token runs through its
 ``experts_per_token`` best experts, whose outputs are summed with the router's softmax weights
 (renormalised over the chosen ones where the config says so: Mixtral always, Qwen with
 ``norm_topk_prob``). Qwen2-MoE adds a shared expert that every token runs through, scaled by a
-sigmoid gate. Numerics follow Hugging Face's implementation (transformers 5's grouped experts,
+sigmoid gate. gpt-oss's router has a bias and softmaxes only the top-k logits it picks; its
+experts have biases and a clamped SwiGLU (:class:`.model.MLP`). Numerics follow Hugging Face's implementation (transformers 5's grouped experts,
 what ``from_pretrained`` runs): the softmax in float32, the same top-k, each (token, slot)
 pair's weighted output kept apart and the slots summed once per token, Mixtral's weights in
 float32 and the Qwens' in the model's dtype, so greedy outputs match it token for token.
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weights import WeightReader, load_mlp
+from .weights import WeightReader, dequantize_mxfp4, load_mlp
 
 if TYPE_CHECKING:
     from .model import ModelSpec
@@ -41,14 +42,18 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = spec.num_experts, spec.experts_per_token
         self.normalize = spec.normalize_routing
         self.float_weights = spec.float_routing_weights
-        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.softmax_top_k = spec.softmax_top_k
+        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
         self.experts = nn.ModuleList(expert(spec.expert_size) for _ in range(spec.num_experts))
         self.shared_expert = expert(spec.shared_expert_size) if spec.shared_expert_size else None
         self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if spec.shared_expert_size else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts ``[n, top_k]`` (best first) and their weights: float32
-        (Mixtral) or ``x``'s dtype (the Qwens), as transformers keeps them."""
+        (Mixtral) or ``x``'s dtype (the Qwens, gpt-oss), as transformers keeps them."""
+        if self.softmax_top_k:  # gpt-oss: the best logits, softmaxed among themselves in their dtype
+            logits, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return F.softmax(logits, dim=-1, dtype=logits.dtype).to(x.dtype), chosen
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -81,11 +86,16 @@ class SparseMoE(nn.Module):
         """Copy the block's weights from a Hugging Face checkpoint: the router, then the experts
         one matrix each (``mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj``; Mixtral's
         ``block_sparse_moe.experts.E.w1`` / ``w3`` / ``w2``) or as transformers 5 holds them in
-        memory (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), then the
-        shared expert and its gate."""
+        memory (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), or gpt-oss's
+        (:meth:`_load_gpt_oss`), then the shared expert and its gate."""
         moe = prefix + ("block_sparse_moe." if state.has(prefix + "block_sparse_moe.gate.weight") else "mlp.")
-        state.copy(self.gate.weight, moe + "gate.weight")
-        if state.has(moe + "experts.gate_up_proj"):
+        router = moe + ("router." if state.has(moe + "router.weight") else "gate.")  # gpt-oss: `router`
+        state.copy(self.gate.weight, router + "weight")
+        if self.gate.bias is not None:
+            state.copy(self.gate.bias, router + "bias")
+        if self.softmax_top_k:
+            self._load_gpt_oss(moe, state)
+        elif state.has(moe + "experts.gate_up_proj"):
             gate_up, down = state.take(moe + "experts.gate_up_proj"), state.take(moe + "experts.down_proj")
             for stacked in (gate_up, down):
                 if stacked.shape[0] != self.num_experts:
@@ -101,3 +111,34 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             load_mlp(self.shared_expert, moe + "shared_expert.", state)
             state.copy(self.shared_expert_gate.weight, moe + "shared_expert_gate.weight")
+
+    def _load_gpt_oss(self, moe: str, state: WeightReader) -> None:
+        """gpt-oss's experts, stacked with biases: as its released checkpoints hold them, in MXFP4
+        (``experts.gate_up_proj_blocks`` and ``_scales``, ``[E, out, in]`` once decoded), or as
+        transformers holds them (``experts.gate_up_proj [E, in, out]``). Their gate and up
+        outputs alternate (gate, up, gate, ...): they become our gate rows, then up rows. One
+        expert is decoded at a time."""
+        mxfp4 = state.has(moe + "experts.gate_up_proj_blocks")
+        stacked = {}
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"{moe}experts.{name}"
+            stacked[name] = (state.take(key + "_blocks"), state.take(key + "_scales")) if mxfp4 else state.take(key)
+            count = stacked[name][0].shape[0] if mxfp4 else stacked[name].shape[0]
+            if count != self.num_experts:
+                raise state.error(f"`{moe}experts` holds {count} experts, the config {self.num_experts}")
+        gate_up_bias, down_bias = state.take(moe + "experts.gate_up_proj_bias"), state.take(moe + "experts.down_proj_bias")
+
+        def matrix(name: str, e: int) -> torch.Tensor:  # expert e's [out, in]
+            if mxfp4:
+                blocks, scales = stacked[name]
+                return dequantize_mxfp4(blocks[e], scales[e], self.gate.weight.dtype)
+            return stacked[name][e].T
+
+        def ungate(t: torch.Tensor) -> torch.Tensor:  # alternating gate / up rows: gate rows, then up rows
+            return torch.cat((t[0::2], t[1::2]))
+
+        for e, expert in enumerate(self.experts):
+            state.copy(expert.gate_up_proj.weight, f"{moe}experts.gate_up_proj[{e}]", ungate(matrix("gate_up_proj", e)))
+            state.copy(expert.gate_up_proj.bias, f"{moe}experts.gate_up_proj_bias[{e}]", ungate(gate_up_bias[e]))
+            state.copy(expert.down_proj.weight, f"{moe}experts.down_proj[{e}]", matrix("down_proj", e))
+            state.copy(expert.down_proj.bias, f"{moe}experts.down_proj_bias[{e}]", down_bias[e])

@@ -71,3 +71,20 @@ def load_mlp(mlp: nn.Module, prefix: str, state: WeightReader, names: tuple[str,
         bias = torch.cat([state.take(f"{prefix}{gate}.bias"), state.take(f"{prefix}{up}.bias")])
         state.copy(mlp.gate_up_proj.bias, prefix + "gate_up_proj.bias", bias)
         state.copy(mlp.down_proj.bias, f"{prefix}{down}.bias")
+
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of an MXFP4 element (e2m1), by its 4 bits."""
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 (OCP microscaling, what gpt-oss's checkpoints hold its experts in) to ``dtype``:
+    ``blocks [..., G, 16]`` bytes, two e2m1 elements each (the low nibble first), and ``scales
+    [..., G]`` bytes, a power of two per block of 32 (``2 ** (scale - 127)``); ``[..., G * 32]``
+    out. Every value is exact in bfloat16 and float32."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match")
+    table = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    values = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), dim=-1).flatten(-2)
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).to(dtype)

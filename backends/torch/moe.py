@@ -1,14 +1,16 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) as plain torch modules.
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) as plain
+torch modules.
 
 A router (``gate``) scores every expert for every token; each token runs through its
 ``experts_per_token`` best experts, whose outputs are summed with the router's softmax weights
 (renormalised over the chosen ones where the config says so: Mixtral always, Qwen with
 ``norm_topk_prob``). Qwen2-MoE adds a shared expert that every token runs through, scaled by a
 sigmoid gate. gpt-oss's router has a bias and softmaxes only the top-k logits it picks; its
-experts have biases and a clamped SwiGLU (:class:`.model.MLP`). Numerics follow Hugging Face's implementation (transformers 5's grouped experts,
-what ``from_pretrained`` runs): the softmax in float32, the same top-k, each (token, slot)
-pair's weighted output kept apart and the slots summed once per token, Mixtral's weights in
-float32 and the Qwens' in the model's dtype, so greedy outputs match it token for token.
+experts have biases and a clamped SwiGLU (:class:`.model.MLP`). Numerics follow Hugging Face's
+implementation (transformers 5's grouped experts, what ``from_pretrained`` runs): the softmax in
+float32 (gpt-oss's in the logits' dtype), the same top-k, each (token, slot) pair's weighted
+output kept apart and the slots summed once per token, Mixtral's weights in float32 and the
+others' in the model's dtype, so greedy outputs match it token for token.
 
 The tokens of a step are grouped by expert once (one sort, one count read back to the host), so
 an expert's matmul runs over exactly the rows routed to it, however the batch mixes sequences.

@@ -141,11 +141,10 @@ class TorchEngine:
         self._block_bytes = per_block
         # A sequence can never be longer than the whole cache.
         self.max_model_len = min(options.max_model_len, spec.context_length, pool_blocks * options.block_size)
-        pack = None  # the packed formats pack each layer as it loads (CPU, float32)
-        if options.weight_format != "native":
-            from .quantize import PACKINGS
+        from .quantize import PACKINGS
 
-            pack = PACKINGS[options.weight_format]
+        # The packed formats pack each layer as it loads (CPU, float32); "native" has no packing.
+        pack = PACKINGS.get(options.weight_format)
         model = CausalLM.from_state_dict(spec, self.max_model_len, checkpoint.weights, options.dtype, pack)
         checkpoint.weights.clear()
         # Already in options.dtype; the rotary tables stay float32 (exact), cast per use.

@@ -138,48 +138,45 @@ void rk_rmsnorm_quantize(const float *x, int64_t M, int64_t K, int64_t xs, const
     }
 }
 
-/* SwiGLU's silu(gate) * up for rows [gate (I) | up (I)], quantized. tmp: I floats. */
-void rk_silu_mul_quantize(const float *gu, int64_t M, int64_t I, int64_t gs, float *tmp, int64_t Kp, int16_t *q,
-                          float *dq) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = gu + m * gs, *u = g + I;
-        int64_t i = 0;
-#ifdef RK_AVX2
-        const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-        for (; i + 8 <= I; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign)));
-            _mm256_storeu_ps(tmp + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
-        }
-#endif
-        for (; i < I; i++) tmp[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-        dq[m] = quantize_row(tmp, I, Kp, q + m * Kp);
-    }
-}
-
-/* GeGLU's gelu(gate) * up (GELU's tanh form, Gemma's gelu_pytorch_tanh) for rows [gate (I) | up
- * (I)], quantized. 0.5 g (1 + tanh(u)) is g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3):
- * SiLU's form with -2u for -g. tmp: I floats. */
-void rk_gelu_tanh_mul_quantize(const float *gu, int64_t M, int64_t I, int64_t gs, float *tmp, int64_t Kp,
-                               int16_t *q, float *dq) {
+/* gate / (1 + e^(-z)) * up for rows [gate (I) | up (I)], quantized: SwiGLU's silu(gate) * up with
+ * z = gate, or (gelu) GeGLU's gelu(gate) * up in GELU's tanh form (Gemma's gelu_pytorch_tanh) with
+ * z = 2u, u = sqrt(2 / pi) (g + 0.044715 g^3): 0.5 g (1 + tanh(u)) is g / (1 + e^(-2u)). tmp: I
+ * floats. Inlined once per activation, so neither loop branches on it. */
+static inline __attribute__((always_inline)) void gated_mul_quantize(const float *gu, int64_t M, int64_t I, int64_t gs,
+                                                                      float *tmp, int64_t Kp, int16_t *q, float *dq,
+                                                                      const int gelu) {
     const float c = 0.7978845608028654f, c3 = 0.7978845608028654f * 0.044715f;
     for (int64_t m = 0; m < M; m++) {
         const float *g = gu + m * gs, *u = g + I;
         int64_t i = 0;
 #ifdef RK_AVX2
-        const __m256 one = _mm256_set1_ps(1.f), m2c = _mm256_set1_ps(-2.f * c), m2c3 = _mm256_set1_ps(-2.f * c3);
+        const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+        const __m256 m2c = _mm256_set1_ps(-2.f * c), m2c3 = _mm256_set1_ps(-2.f * c3);
         for (; i + 8 <= I; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 g2 = _mm256_mul_ps(gv, gv);
-            /* -2u = g (-2c + -2c3 g^2) */
-            const __m256 arg = _mm256_mul_ps(gv, _mm256_add_ps(m2c, _mm256_mul_ps(m2c3, g2)));
+            /* -z: -g, or -2u = g (-2c + -2c3 g^2) */
+            const __m256 arg = gelu ? _mm256_mul_ps(gv, _mm256_add_ps(m2c, _mm256_mul_ps(m2c3, _mm256_mul_ps(gv, gv))))
+                                    : _mm256_xor_ps(gv, sign);
             const __m256 den = _mm256_add_ps(one, exp8(arg));
             _mm256_storeu_ps(tmp + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
         }
 #endif
-        for (; i < I; i++) tmp[i] = g[i] / (1.f + expf(g[i] * (-2.f * c + -2.f * c3 * (g[i] * g[i])))) * u[i];
+        for (; i < I; i++) {
+            const float arg = gelu ? g[i] * (-2.f * c + -2.f * c3 * (g[i] * g[i])) : -g[i];
+            tmp[i] = g[i] / (1.f + expf(arg)) * u[i];
+        }
         dq[m] = quantize_row(tmp, I, Kp, q + m * Kp);
     }
+}
+
+void rk_silu_mul_quantize(const float *gu, int64_t M, int64_t I, int64_t gs, float *tmp, int64_t Kp, int16_t *q,
+                          float *dq) {
+    gated_mul_quantize(gu, M, I, gs, tmp, Kp, q, dq, 0);
+}
+
+void rk_gelu_tanh_mul_quantize(const float *gu, int64_t M, int64_t I, int64_t gs, float *tmp, int64_t Kp,
+                               int16_t *q, float *dq) {
+    gated_mul_quantize(gu, M, I, gs, tmp, Kp, q, dq, 1);
 }
 
 /* RMSNorm of each row of y [M, K] times weight, added to x [M, K]: Gemma 2/3's norm of a block's

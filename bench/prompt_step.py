@@ -5,7 +5,8 @@ unless the chunks' tokens attend to more than ``PROMPT_POSITIONS`` positions in 
 attention takes a token and a head at a time. This measures where that limit should sit: for each
 ``--prompts`` entry, ``L`` (one prompt of L random tokens) or ``LxN`` (N of them at once), it
 times 1-token greedy generations with every prompt step in C and with every prompt step as torch
-operations (fbgemm's fp16 copy of the packed weights, SDPA), alternating, fresh prompts each time
+operations (the packed projections through fbgemm's fp16 copy of their weights, or the C kernel
+where none is kept, ``quantize.large_batch_copy``; SDPA), alternating, fresh prompts each time
 and the prefix cache off, on the bundled SmolLM2. Prompts longer than ``--chunk`` (the step's
 token budget) run in several steps. Prints the (token, position) pairs of the prompts (what the
 limit counts) and the median ms of both paths.

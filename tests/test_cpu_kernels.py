@@ -15,19 +15,23 @@ from backends.torch.model import ModelSpec, Rotary, apply_rotary
 from backends.torch.quantize import SMALL_BATCH, PackedLinear, pack_int4_weights, pack_weight, unpack_weight
 
 
-BUILDS = ["native"] + (["portable"] if platform.machine() in ("x86_64", "AMD64") else [])
+X86 = platform.machine() in ("x86_64", "AMD64")
+# The AVX2 build is the native one where the CPU has no AVX-512 VNNI.
+BUILDS = ["native"] + (["portable"] if X86 else []) + (["avx2"] if X86 and native.kernels().simd == 2 else [])
+PORTABLE = {"portable": (("-march=x86-64",), 0), "avx2": (("-march=x86-64-v3",), 1)}
 
 
 @pytest.fixture(scope="module", params=BUILDS)
 def k(request, tmp_path_factory):
-    """The library as the engine builds it (-march=native: AVX2 here), and a build for plain
-    x86-64, whose scalar loops must compute the same."""
+    """The library as the engine builds it (-march=native: AVX-512 VNNI here), a build for AVX2
+    alone, and one for plain x86-64, whose other loops must compute the same."""
     if request.param == "native":
         return native.kernels()
-    path = tmp_path_factory.mktemp("portable") / "cpu_kernels.so"
-    native.compile_library(path, native._compiler(), ("-O2", "-march=x86-64", "-shared", "-fPIC"))
+    flags, simd = PORTABLE[request.param]
+    path = tmp_path_factory.mktemp(request.param) / "cpu_kernels.so"
+    native.compile_library(path, native._compiler(), ("-O2", *flags, "-ffp-contract=off", "-shared", "-fPIC"))
     built = native.load(path)
-    assert not built.simd
+    assert built.simd == simd
     return built
 
 
@@ -186,9 +190,11 @@ def reference_linear(k, lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-# From 16 rows the AVX2 build takes its wide loop (two rows at a time: 17 and 33 leave one).
+# From 16 rows the AVX2 build takes its wide loop (two rows at a time: 17 and 33 leave one), a
+# VNNI build six at a time (16, 17 and 33 leave 4, 5 and 3).
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 33])
-# Tiles of 8 channels go in pairs in the wide loop: 1, 2 (the second partial) and 17 tiles.
+# Tiles of 8 channels go in pairs in the AVX2 wide loop, in fours in the VNNI one: 1, 2 (the
+# second partial) and 17 tiles.
 @pytest.mark.parametrize("n,kin,bias", [(4, 32, False), (9, 48, True), (576, 576, False), (130, 1536, True), (1, 16, True)])
 def test_linear_matches_its_reference(k, m, n, kin, bias, bits):
     torch.manual_seed(m * 1000 + n)
@@ -239,12 +245,37 @@ def test_a_row_gets_the_same_bits_whatever_the_batch(k, bits):
         assert torch.equal(linear_with(k, lin, x[start : start + rows]), together[start : start + rows])
 
 
+@pytest.mark.skipif("avx2" not in BUILDS, reason="the native build has no VNNI loop")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_vnni_loop_gives_the_avx2_loops_bits(tmp_path, bits):
+    # Same products, exact int32 sums, the same float steps in the same order: a model's tokens
+    # do not depend on which of the two machines served them.
+    path = tmp_path / "cpu_kernels.so"
+    native.compile_library(path, native._compiler(), ("-O3", "-march=x86-64-v3", "-ffp-contract=off", "-shared", "-fPIC"))
+    avx2 = native.load(path)
+    torch.manual_seed(6)
+    lin = PackedLinear(torch.nn.Linear(1536, 130, bias=True), bits)
+    x = torch.randn(41, 1536)
+    for rows in (1, 8, 16, 23, 41):
+        assert torch.equal(linear_with(native.kernels(), lin, x[:rows]), linear_with(avx2, lin, x[:rows]))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_large_batches_use_the_same_packed_values(bits):
     torch.manual_seed(4)
-    lin = PackedLinear(torch.nn.Linear(96, 40, bias=True), bits)
+    lin = PackedLinear(torch.nn.Linear(96, 40, bias=True), bits, fp16_copy=True)
     x = torch.randn(20, 96)  # above SMALL_BATCH: the fp16 copy of the packed weights
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight(), lin._bias), rtol=2e-3, atol=2e-3)
+    assert not torch.equal(lin(x), lin.kernel_forward(x))  # float16 rounding: not the C kernel's bits
+
+
+def test_the_fp16_copy_is_kept_only_without_the_vnni_loop():
+    lin = PackedLinear(torch.nn.Linear(96, 40), 4)
+    assert (lin._fp16 is not None) == (native.kernels().simd < 2)
+    if lin._fp16 is None:  # every batch in C, bit for bit what its rows give alone
+        x = torch.randn(20, 96)
+        assert torch.equal(lin(x), lin.kernel_forward(x))
+        assert torch.equal(lin(x)[:3], lin(x[:3]))
 
 
 def test_int4_keeps_the_lm_head_at_8_bits():

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from backends.torch import TorchConfig
-from backends.torch.cpu_decode import PROMPT_POSITIONS, prompt_positions
+from backends.torch import TorchConfig, native
+from backends.torch.cpu_decode import PROMPT_POSITIONS, VNNI_PROMPT_POSITIONS, prompt_positions
 from backends.torch.scheduler import Scheduled
 from backends.torch.sequence import Sequence
 from backends.torch.setup import build_engine
@@ -137,9 +137,13 @@ def test_packed_batched_equals_alone_and_stays_close_to_float32(smol_packed):
     assert sum(a == 32 for a in agree) >= 7, agree
 
 
-def test_long_prompt_chunks_run_as_torch_operations(smol_packed):
+def test_long_prompt_chunks_run_as_torch_operations(smol_packed, monkeypatch):
     """The C attention takes a token and head at a time: a step whose prompt chunks attend to more
-    than PROMPT_POSITIONS positions runs as torch operations, the decode steps after it in C."""
+    than the decoder's limit of positions runs as torch operations, the decode steps after it in C."""
+    assert smol_packed.runner.decoder.prompt_positions == (
+        VNNI_PROMPT_POSITIONS if native.kernels().simd == 2 else PROMPT_POSITIONS
+    )
+    monkeypatch.setattr(smol_packed.runner.decoder, "prompt_positions", PROMPT_POSITIONS)
     calls = counting_decoder(smol_packed)
     short, long = random_prompts(3, (100, 400))
     assert prompt_positions_of(short) <= PROMPT_POSITIONS < prompt_positions_of(long)

@@ -17,7 +17,7 @@ places. The numbers are those of the packed format's C-kernel path up to float r
 token for token), and a row's are the same whatever else the step holds.
 
 Which steps: every step that decodes, whatever its size, and the steps where prompt chunks join
-them, unless those chunks are long (:data:`PROMPT_POSITIONS`); those, and other weight formats,
+them, unless those chunks are long (:data:`PROMPT_POSITIONS`, :data:`VNNI_PROMPT_POSITIONS`); those, and other weight formats,
 run :class:`.model.CausalLM` as written. Matrix by matrix, fbgemm's fp16 GEMM (what the torch path
 uses above :data:`~.quantize.SMALL_BATCH` rows) keeps pace with the C kernel, but the torch
 operations around the projections cost more: a 32-sequence decode step took 184 ms as torch
@@ -50,7 +50,14 @@ generations, C against torch operations, in ms: a 256-token prompt (32,896 pairs
 552, a 512-token one (131,328) 1,022 against 1,081, a 1,024-token one (two steps, the second
 393,472 pairs) 2,582 against 2,231; on a faster host later, 390 / 411, 822 / 879 and 1,915 /
 1,945. (Before the attention's dot products ran eight keys at a time the crossing was below
-32,896.)"""
+32,896.) That is with AVX2 alone; with AVX-512 VNNI see :data:`VNNI_PROMPT_POSITIONS`."""
+
+VNNI_PROMPT_POSITIONS = 524_288
+""":data:`PROMPT_POSITIONS` where the C kernels have their AVX-512 VNNI loop. The torch
+operations' projections then run the same C kernel (no fbgemm copy, :func:`.quantize.large_batch_copy`),
+and the one call stays ahead longer: 692 against 754 ms for a 512-token prompt, 1,735 against
+1,774 for 1,024 (its second step 393,472 pairs), 2,824 against 2,962 for 1,536 (655,360 in the
+last step), 4,463 against 4,231 for 2,000 (820,968)."""
 
 
 def prompt_positions(work: list[Scheduled]) -> int:
@@ -92,7 +99,7 @@ class CpuDecoder:
         if kv.k[0].dtype not in KV_KINDS or any(t.dtype != kv.k[0].dtype for t in (*kv.k, *kv.v)):
             raise ValueError(f"CpuDecoder needs a KV cache of one of {[str(d) for d in KV_KINDS]}")
         self._k = kernels()
-        self.prompt_positions = PROMPT_POSITIONS
+        self.prompt_positions = VNNI_PROMPT_POSITIONS if self._k.simd == 2 else PROMPT_POSITIONS
         self.model = model
         self.kv = kv
         self.spec = spec

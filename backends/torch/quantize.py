@@ -52,9 +52,22 @@ GROUP = 32
 GGUF's 4- and 8-bit formats, so their blocks can be reproduced exactly (see :func:`pack_weight`)."""
 
 SMALL_BATCH = 8
-"""Up to this many rows a step runs the C kernel; above it fbgemm's fp16 GEMM, which wins once
-the weights are reused across many rows: the two take the same time at 8 rows, int8 is 1.6x
-faster at 1 and fp16 1.7x at 32 (bench/decode_kernels.py)."""
+"""Up to this many rows a step runs the C kernel; above it fbgemm's fp16 GEMM where a packed
+projection keeps an fp16 copy (:func:`large_batch_copy`)."""
+
+
+def large_batch_copy() -> bool:
+    """Whether dense packed projections keep an fbgemm fp16 copy for batches above
+    :data:`SMALL_BATCH` rows: only where the C kernels have no AVX-512 VNNI loop.
+
+    With VNNI (``vpdpwssd``) the C kernel is as fast as fbgemm's fp16 GEMM from 12 rows and faster
+    from 32 (0.8x its time at 512 rows, bench/decode_kernels.py), so the copy, 4x the int4 bytes,
+    would cost memory for nothing. With AVX2 alone the C kernel's wide loop took 1.1-1.6x fbgemm's
+    time from 16 rows, and the copy stays.
+    """
+    from .native import kernels
+
+    return kernels().simd < 2
 
 
 TILE = 8  # output channels packed together (the kernel's TILE)
@@ -183,16 +196,16 @@ class PackedLinear(nn.Module):
     """A frozen ``nn.Linear`` with 8- or 4-bit weights (``weight_format = "int8"`` / ``"int4"``,
     CPU, float32).
 
-    Small batches (decode steps) go through the C kernel: the activations are quantized per row to
-    int16 and multiplied on integer units. Larger batches (prefill chunks, many sequences) use an
-    fbgemm fp16 copy of the same packed values (rounded to float16, about 5e-4 relative), so both
-    paths compute with one set of weights. ``fp16_copy=False`` keeps no copy (4x the int4 bytes):
-    every batch goes through the C kernel, about 2.3x slower than fbgemm from 64 rows on. A mixture
-    of experts' routed experts are built so: they hold most of the model's weights, a decode step
-    reads only the few it routes to, and a prompt's rows spread over them.
+    Batches go through the C kernel: the activations are quantized per row to int16 and
+    multiplied on integer units. With ``fp16_copy`` batches above :data:`SMALL_BATCH` rows (prefill
+    chunks, many sequences) use an fbgemm fp16 copy of the same packed values instead (rounded to
+    float16, about 5e-4 relative), so both paths compute with one set of weights; it costs 4x the
+    int4 bytes and is kept only where it is faster (:func:`large_batch_copy`, the default). A
+    mixture of experts' routed experts never keep one: they hold most of the model's weights, a
+    decode step reads only the few it routes to, and a prompt's rows spread over them.
     """
 
-    def __init__(self, linear: nn.Linear, bits: int = 8, group: int | None = None, fp16_copy: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, bits: int = 8, group: int | None = None, fp16_copy: bool | None = None) -> None:
         super().__init__()
         from .native import kernels
 
@@ -206,6 +219,8 @@ class PackedLinear(nn.Module):
         self._bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
         self._bias_ptr = self._bias.data_ptr() if self._bias is not None else None
         self._w_ptr = self._packed.data_ptr()
+        if fp16_copy is None:
+            fp16_copy = large_batch_copy()
         self._fp16 = torch.ops.quantized.linear_prepack_fp16(self.weight().contiguous(), self._bias) if fp16_copy else None
 
     def weight(self) -> torch.Tensor:
@@ -255,13 +270,15 @@ class PackedLinear(nn.Module):
 
 def pack_int8_weights(model: nn.Module) -> None:
     """``weight_format = "int8"``: every projection and the LM head at 8 bits."""
-    replace_linears(model, lambda linear, name, expert: PackedLinear(linear, 8, fp16_copy=not expert))
+    replace_linears(model, lambda linear, name, expert: PackedLinear(linear, 8, fp16_copy=False if expert else None))
 
 
 def pack_int4_weights(model: nn.Module) -> None:
     """``weight_format = "int4"``: the decoder's projections at 4 bits, the LM head at 8 (as GGUF
     files keep their output and embedding tensors at higher precision)."""
-    replace_linears(model, lambda linear, name, expert: PackedLinear(linear, 8 if name == "lm_head" else 4, fp16_copy=not expert))
+    replace_linears(
+        model, lambda linear, name, expert: PackedLinear(linear, 8 if name == "lm_head" else 4, fp16_copy=False if expert else None)
+    )
 
 
 PACKINGS: dict[str, Callable[[nn.Module], None]] = {

@@ -31,6 +31,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RK_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define RK_VNNI 1
+#endif
 #endif
 
 int rk_abi(void) { return 11; }
@@ -51,8 +54,11 @@ static int thread_index(void) {
 #endif
 }
 
+/* 0: scalar loops; 1: AVX2; 2: AVX2 and, for batches of WIDE_ROWS rows, AVX-512 VNNI. */
 int rk_simd(void) {
-#ifdef RK_AVX2
+#if defined(RK_VNNI)
+    return 2;
+#elif defined(RK_AVX2)
     return 1;
 #else
     return 0;
@@ -604,18 +610,20 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile,
  * loops give the same bits. */
 #define WIDE_ROWS 16
 
-/* One group of one tile, widened: W[16 s + 2 c + j] = weight of input 2 s + j of channel c. */
-static inline __attribute__((always_inline)) void widen_group(const uint8_t *u, int64_t G, const int bits, int16_t *W) {
+/* One group of one tile, widened: W[ws * s + 2 c + j] = weight of input 2 s + j of channel c (ws:
+ * the int16 between pair-steps, 16 when the tile is alone, more when tiles are interleaved). */
+static inline __attribute__((always_inline)) void widen_group(const uint8_t *u, int64_t G, const int bits, int16_t *W,
+                                                              int64_t ws) {
     if (bits == 8) {
         for (int64_t s = 0; s < G / 2; s++)
-            _mm256_store_si256((__m256i *)(W + 16 * s), _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + 16 * s))));
+            _mm256_store_si256((__m256i *)(W + ws * s), _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + 16 * s))));
         return;
     }
     const __m128i nibble = _mm_set1_epi8(0x0f);
     for (int64_t p = 0; p < G / 4; p++) { /* step p: low nibbles are pair-step 2p, high ones 2p + 1 */
         const __m128i v = _mm_loadu_si128((const __m128i *)(u + 16 * p));
-        _mm256_store_si256((__m256i *)(W + 32 * p), _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble)));
-        _mm256_store_si256((__m256i *)(W + 32 * p + 16),
+        _mm256_store_si256((__m256i *)(W + ws * 2 * p), _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble)));
+        _mm256_store_si256((__m256i *)(W + ws * (2 * p + 1)),
                            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)));
     }
 }
@@ -658,11 +666,116 @@ static inline __attribute__((always_inline)) void wide_rows(const int16_t *W, in
         for (int t = 0; t < T; t++) _mm256_storeu_ps(res + r * 2 * TILE + t * TILE, f[r][t]);
 }
 
+#ifdef RK_VNNI
+/* With AVX-512 VNNI (vpdpwssd: the pairs' products added to int32 in one instruction) the wide
+ * loop takes blocks of VNNI_TILES tiles (32 channels: two zmm registers per pair-step) and
+ * VNNI_ROWS rows at a time, 12 int32 and 12 float accumulators among the 32 registers. Per row
+ * the products, their int32 sums (exact in any order) and the float steps are those of the loops
+ * above, in the same order: the same bits. */
+#define VNNI_TILES 4
+#define VNNI_ROWS 6
+
+/* R rows (R <= VNNI_ROWS) against a widened block Wb [NG][G / 2][2][32] (pair-step s of tile t
+ * at 64 s + 16 t) whose scales and minimums are sl [NG][2][32]; res[r * 32 + c]. */
+static inline __attribute__((always_inline)) void vnni_rows(const int16_t *Wb, const float *sl, int64_t NG, int64_t G,
+                                                            const int16_t *q, int64_t Kp, const float *xs, const int R,
+                                                            float *res) {
+    const int64_t S = G / 2;
+    __m512 f[VNNI_ROWS][2];
+    for (int r = 0; r < R; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        const int16_t *w = Wb + g * S * 64, *x = q + g * G;
+        __m512i a[VNNI_ROWS][2];
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
+        for (int64_t s = 0; s < S; s++) {
+            const __m512i v0 = _mm512_load_si512(w + 64 * s), v1 = _mm512_load_si512(w + 64 * s + 32);
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * Kp + 2 * s, sizeof pair);
+                const __m512i b = _mm512_set1_epi32(pair);
+                a[r][0] = _mm512_dpwssd_epi32(a[r][0], v0, b);
+                a[r][1] = _mm512_dpwssd_epi32(a[r][1], v1, b);
+            }
+        }
+        const float *h = sl + g * 64;
+        const __m512 s0 = _mm512_load_ps(h), s1 = _mm512_load_ps(h + 16);
+        const __m512 l0 = _mm512_load_ps(h + 32), l1 = _mm512_load_ps(h + 48);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_set1_ps(xs[r * NG + g]);
+            f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), s0, f[r][0]);
+            f[r][0] = _mm512_fmadd_ps(l0, xv, f[r][0]);
+            f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][1]), s1, f[r][1]);
+            f[r][1] = _mm512_fmadd_ps(l1, xv, f[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(res + r * 32, f[r][0]);
+        _mm512_storeu_ps(res + r * 32 + 16, f[r][1]);
+    }
+}
+
+/* wide_linear on AVX-512 VNNI; 0 when its buffers cannot be had. */
+static int vnni_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const uint8_t *w, int64_t G,
+                       int bits, const float *bias, int64_t N, float *out, int64_t os, int accumulate,
+                       const float *xsum) {
+    const int64_t tiles = (N + TILE - 1) / TILE, NG = Kp / G, gb = group_bytes(G, bits), S = G / 2;
+    const int64_t blocks = (tiles + VNNI_TILES - 1) / VNNI_TILES, wsize = Kp * 64, ssize = NG * 64;
+    int16_t *wbuf = aligned_alloc(64, (size_t)(rk_threads() * wsize) * sizeof(int16_t));
+    float *sbuf = aligned_alloc(64, (size_t)(rk_threads() * ssize) * sizeof(float));
+    if (!wbuf || !sbuf) {
+        free(wbuf);
+        free(sbuf);
+        return 0;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t b = VNNI_TILES * blk, T = tiles - b < VNNI_TILES ? tiles - b : VNNI_TILES, n = TILE * b;
+        int16_t *Wb = wbuf + thread_index() * wsize;
+        float *sl = sbuf + thread_index() * ssize;
+        if (T < VNNI_TILES) { /* the last block's missing tiles: zero weights, never stored */
+            memset(Wb, 0, (size_t)wsize * sizeof(int16_t));
+            memset(sl, 0, (size_t)ssize * sizeof(float));
+        }
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t g = 0; g < NG; g++) {
+                const uint8_t *grp = w + (b + t) * NG * gb + g * gb;
+                int16_t *dst = Wb + g * S * 64 + t * 16;
+                if (bits == 8) widen_group(grp + 8 * TILE, G, 8, dst, 64);
+                else widen_group(grp + 8 * TILE, G, 4, dst, 64);
+                memcpy(sl + g * 64 + t * TILE, grp, TILE * sizeof(float));
+                memcpy(sl + g * 64 + 32 + t * TILE, grp + TILE * sizeof(float), TILE * sizeof(float));
+            }
+        float res[VNNI_ROWS * 32];
+        for (int64_t m = 0; m < M;) {
+            const int64_t rows = M - m < VNNI_ROWS ? M - m : VNNI_ROWS;
+            const int16_t *x = q + m * Kp;
+            const float *xs = xsum + m * NG;
+            switch (rows) { /* constant rows: each compiles to its own unrolled loop */
+            case 6: vnni_rows(Wb, sl, NG, G, x, Kp, xs, 6, res); break;
+            case 5: vnni_rows(Wb, sl, NG, G, x, Kp, xs, 5, res); break;
+            case 4: vnni_rows(Wb, sl, NG, G, x, Kp, xs, 4, res); break;
+            case 3: vnni_rows(Wb, sl, NG, G, x, Kp, xs, 3, res); break;
+            case 2: vnni_rows(Wb, sl, NG, G, x, Kp, xs, 2, res); break;
+            default: vnni_rows(Wb, sl, NG, G, x, Kp, xs, 1, res);
+            }
+            store_rows(res, 32, m, rows, dq, n, T * TILE, N, bias, out, os, accumulate);
+            m += rows;
+        }
+    }
+    free(wbuf);
+    free(sbuf);
+    return 1;
+}
+#endif
+
 /* rk_linear for M >= WIDE_ROWS (xsum filled); 0 when the widening buffer cannot be had. */
 static int wide_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const uint8_t *w, int64_t G,
                        int bits, const float *bias, int64_t N, float *out, int64_t os, int accumulate,
                        const float *xsum) {
     const int64_t tiles = (N + TILE - 1) / TILE, NG = Kp / G, gb = group_bytes(G, bits), pairs = (tiles + 1) / 2;
+#ifdef RK_VNNI
+    if (vnni_linear(q, dq, M, Kp, w, G, bits, bias, N, out, os, accumulate, xsum)) return 1;
+#endif
     const int64_t per_thread = 2 * Kp * TILE; /* int16 */
     int16_t *buffers = aligned_alloc(32, (size_t)(rk_threads() * per_thread) * sizeof(int16_t));
     if (!buffers) return 0;
@@ -675,8 +788,8 @@ static int wide_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp,
             for (int64_t g = 0; g < NG; g++) {
                 const uint8_t *u = hdr[t] + g * gb + 8 * TILE;
                 int16_t *dst = W + (t * NG + g) * (G / 2) * 16;
-                if (bits == 8) widen_group(u, G, 8, dst);
-                else widen_group(u, G, 4, dst);
+                if (bits == 8) widen_group(u, G, 8, dst, 16);
+                else widen_group(u, G, 4, dst, 16);
             }
         float res[4 * TILE];
         for (int64_t m = 0; m < M;) {

@@ -80,6 +80,9 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     owned_by: str = "router"
     tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = "hermes"
     """How a local model writes tool calls (docs/tools.md); None: the model takes no tools."""
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    """How a local thinking model marks its reasoning, sent apart as ``reasoning``
+    (router/reasoning.py); None: all of the reply is content."""
     max_tokens_limit: Annotated[int, Meta(ge=1)] | None = None
     """Most tokens one request may generate; more is a 400, none asked means at most this."""
     max_concurrency: Annotated[int, Meta(ge=1)] | None = None

@@ -45,6 +45,8 @@ class GenerationParams:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    """Send a thinking model's reasoning (models with a ``reasoning_parser``)."""
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
     """None or "auto", "required", or the name of the function that must be called."""

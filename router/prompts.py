@@ -41,6 +41,8 @@ def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
             d["content"] = "\n".join(texts)
         elif content is None:
             d["content"] = "" if not getattr(message, "tool_calls", None) else None
+        if isinstance(message, AssistantMessage) and message.reasoning_content is None and message.reasoning:
+            d["reasoning_content"] = message.reasoning  # the name templates (Qwen3's) read
         if isinstance(message, AssistantMessage) and message.tool_calls:
             for call in d["tool_calls"]:
                 try:

@@ -79,6 +79,8 @@ class AssistantMessage(Strict, kw_only=True, tag_field="role", tag="assistant"):
     tool_calls: list[ToolCall] | None = None
     refusal: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
+    """What vLLM now calls ``reasoning_content`` (templates read that name; either is passed on)."""
 
 
 class ToolMessage(Strict, kw_only=True, tag_field="role", tag="tool"):
@@ -307,6 +309,7 @@ class ResponseMessage(Struct):
     role: str
     content: str | None
     tool_calls: list[ResponseToolCall] | UnsetType = UNSET
+    reasoning: str | None | UnsetType = UNSET  # models with a reasoning_parser (vLLM's name)
 
 
 class ChatChoice(Struct):
@@ -345,6 +348,7 @@ class Delta(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
     tool_calls: list[DeltaToolCall] | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
 
 
 class ChunkChoice(Struct):

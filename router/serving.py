@@ -81,13 +81,26 @@ class Choice:
     prompt_logprobs: list[Any] | None = None  # the engine's TokenLogprobs of prompt tokens 1..P-1
     prediction_tokens: tuple[int, int] = (0, 0)  # prediction tokens kept, refused (EngineStep)
     tools: Any = None  # a router.tools ToolParser when the request has tools
+    reasoning: Any = None  # a router.reasoning ReasoningParser when the model has one
+    reasoning_field: bool = False  # the model has a reasoning parser: the message has the field
+    show_reasoning: bool = True  # the request's include_reasoning
+    reasoning_delta: str = ""
+    """The reasoning text the last step gave, to send now (empty when not shown)."""
     content: list[str] = field(default_factory=list)
-    """Everything sent as message content (text outside tool calls), in order."""
+    """Everything sent as message content (text outside tool calls and reasoning), in order."""
 
     def absorb(self, step: EngineStep) -> tuple[str, list[Any]]:
-        """Take one engine step; return the content text and tool-call deltas to send now."""
+        """Take one engine step; return the content text and tool-call deltas to send now (and
+        keep its reasoning text in :attr:`reasoning_delta`)."""
         text = self._text(step)
         calls: list[Any] = []
+        if self.reasoning is not None:
+            split = self.reasoning.push(text)
+            if self.finished:
+                end = self.reasoning.finish()
+                split.reasoning, split.content = split.reasoning + end.reasoning, split.content + end.content
+            text = split.content
+            self.reasoning_delta = split.reasoning if self.show_reasoning else ""
         if self.tools is not None:
             parsed = self.tools.push(text)
             text, calls = parsed.content, parsed.calls
@@ -226,15 +239,15 @@ class Generation:
 
     async def run(self) -> AsyncIterator[tuple[Choice, str, list[Any]]]:
         """Yield (choice, content text, tool-call deltas) whenever a choice has something new
-        or has finished."""
+        (its reasoning text too, in ``choice.reasoning_delta``) or has finished."""
         engine = self.backend.engine
         if len(self.choices) == 1:
             choice = self.choices[0]
             async with aclosing(engine.generate(self._engine_request(choice))) as steps:
                 async for step in steps:
                     text, calls = choice.absorb(step)
-                    if text or calls or choice.finished:
-                        self._report(choice, text or bool(calls))
+                    if text or calls or choice.reasoning_delta or choice.finished:
+                        self._report(choice, text or choice.reasoning_delta or bool(calls))
                         yield choice, text, calls
                     if choice.finished:
                         return
@@ -279,8 +292,8 @@ class Generation:
                 if item is None:
                     _check_finished(choice)
                 text, calls = choice.absorb(item)
-                if text or calls or choice.finished:
-                    self._report(choice, text or bool(calls))
+                if text or calls or choice.reasoning_delta or choice.finished:
+                    self._report(choice, text or choice.reasoning_delta or bool(calls))
                     yield choice, text, calls
                 if choice.finished:
                     pending -= 1
@@ -430,9 +443,13 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     _check_allowed_ids(params, tok)
     constraints = await _constraints(backend, params, params.n)
     gen = Generation(backend, [prompt], params, max_tokens, _request_id("chatcmpl"), constraints)
-    if parser is not None:
-        for c in gen.choices:
+    thinking = _reasoning_parser(backend, params, prompt)
+    for c in gen.choices:
+        if parser is not None:
             c.tools = parser(params.tools)
+        c.reasoning_field, c.show_reasoning = backend.config.reasoning_parser is not None, params.include_reasoning
+        if thinking is not None:
+            c.reasoning = thinking()
     echo = _chat_echo(request) if params.echo else ""
     model = request.model
     created = int(time.time())
@@ -446,7 +463,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     choices = [
         ChatChoice(
             index=c.index,
-            message=_message(echo + c.text, c.tools),
+            message=_message(echo + c.text, c),
             logprobs=_chat_logprobs(tok, c.logprobs) if params.sampling.logprobs is not None else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
@@ -499,11 +516,31 @@ def _tool_parser(backend: "LocalBackend", params: GenerationParams) -> Any:
     return parser
 
 
-def _message(content: str, tools: Any) -> ResponseMessage:
+def _reasoning_parser(backend: "LocalBackend", params: GenerationParams, prompt: list[int]) -> Any:
+    """A factory of the model's reasoning parser for this request's choices, or None: the model
+    has none, or an output constraint governs the whole reply (a grammar leaves no room to think
+    first, so its output is content)."""
+    name = backend.config.reasoning_parser
+    if name is None or params.constraint is not None:
+        return None
+    from .reasoning import PARSERS, prompt_opens_thinking
+
+    # The last few tokens are enough to see whether the template ends the prompt with <think>.
+    opens = prompt_opens_thinking(backend.engine.tokenizer.decode(prompt[-8:]))
+    return lambda: PARSERS[name](opens)
+
+
+def _message(content: str, choice: Choice) -> ResponseMessage:
+    tools = choice.tools
+    reasoning: Any = UNSET
+    if choice.reasoning_field:
+        reasoning = choice.reasoning.reasoning if choice.reasoning is not None and choice.show_reasoning else None
+        if reasoning is not None and not content:
+            content = None  # the reply ended while the model was still thinking (vLLM's shape)
     if tools is None or not tools.calls:
-        return ResponseMessage(role="assistant", content=content)
+        return ResponseMessage(role="assistant", content=content, reasoning=reasoning)
     calls = [ResponseToolCall(id=c.id, function=ResponseToolCallFunction(c.name, c.arguments)) for c in tools.calls]
-    return ResponseMessage(role="assistant", content=content or None, tool_calls=calls)
+    return ResponseMessage(role="assistant", content=content or None, tool_calls=calls, reasoning=reasoning)
 
 
 def _delta_calls(calls: list[Any]) -> list[DeltaToolCall]:
@@ -561,6 +598,8 @@ async def _chat_stream(
             if params.return_token_ids:
                 extra["token_ids"] = c.take_token_ids()
             delta = Delta()
+            if c.reasoning_delta:
+                delta.reasoning = c.reasoning_delta
             if text:
                 delta.content = text
             if calls:

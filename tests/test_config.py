@@ -52,6 +52,13 @@ def test_a_torch_kv_cache_dtype_outside_the_choices_names_them():
     assert cfg.models[0].kv_cache_dtype == "float16"
 
 
+def test_a_reasoning_parser_outside_the_choices_names_them():
+    (p,) = problems('[[models]]\nname="a"\nbackend="llamacpp"\npath="x"\nreasoning_parser="r1"\n')
+    assert p.startswith("models[0].reasoning_parser:") and "deepseek_r1" in p and "qwen3" in p
+    cfg = parse_config(b'[[models]]\nname="a"\nbackend="llamacpp"\npath="x"\nreasoning_parser="qwen3"\n', BACKENDS)
+    assert cfg.models[0].reasoning_parser == "qwen3"
+
+
 def test_missing_backend():
     (p,) = problems('[[models]]\nname="a"\n')
     assert p.startswith("models[0].backend")

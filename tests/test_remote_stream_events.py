@@ -82,6 +82,8 @@ EVENTS = [
     chunk(choices=[delta("v")], usage={"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}),
     chunk(choices=[], usage={"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}),
     chunk(choices=[delta("w")], meta={"model": "upstream/m"}),
+    chunk(choices=[delta(None, reasoning="Let me think")]),  # a thinking model (vLLM's field)
+    chunk(choices=[delta(None, reasoning_content="Hmm")]),  # (its older name)
     chunk(choices=[delta([{"type": "text", "text": "list content"}])]),
     {"id": "x", "object": "chat.completion.chunk", "choices": [delta("no model field")]},
 ]
@@ -136,3 +138,14 @@ def test_model_is_rewritten_in_place_and_the_rest_is_kept_byte_for_byte() -> Non
     payload = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"upstream/m","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}],"x":1.50}'
     assert s._relay_event(payload) == b"data: " + payload.replace(b'"upstream/m"', b'"my-model"') + b"\n\n"
     assert record.texts == ["Hi"]
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_a_thinking_models_reasoning_counts_as_its_first_text(field) -> None:
+    # A reasoning upstream streams reasoning deltas for a while before any content: its time to
+    # first token is the first of those, on the fast path and the general one.
+    for path in ("_relay_plain", "_relay_any"):
+        s, record = stream()
+        out = getattr(s, path)(SERIALIZERS["compact"](chunk(choices=[delta(None, **{field: "Let me think"})])))
+        assert out is not None and field.encode() in out
+        assert record.texts == ["Let me think"]

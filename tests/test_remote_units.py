@@ -404,6 +404,8 @@ def test_config_bad_values(backends):
     assert p.startswith("models[0].forward_extras[0]: Expected `str` matching regex")
     (p,) = problems(backends, '[[models]]\nname="m"\nbackend="remote"\nchat_template="x.jinja"\n[[models.deployments]]\nurl="http://a/v1"\n')
     assert "chat_template is not used by the remote backend" in p
+    (p,) = problems(backends, '[[models]]\nname="m"\nbackend="remote"\nreasoning_parser="qwen3"\n[[models.deployments]]\nurl="http://a/v1"\n')
+    assert p.startswith("models[0]: reasoning_parser is not used by the remote backend")
 
 
 def test_api_key_from_environment(monkeypatch):

@@ -95,6 +95,11 @@ class RemoteConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 "chat_template is not used by the remote backend: the upstream applies its own"
             )
+        if self.reasoning_parser is not None:
+            raise ValueError(
+                "reasoning_parser is not used by the remote backend: the upstream splits reasoning "
+                "itself (vLLM's --reasoning-parser), and its `reasoning` field is relayed as it is"
+            )
         if self.health_check_path is not None and not _PATH.match(self.health_check_path):
             raise ValueError(
                 f"health_check_path `{self.health_check_path}` must be a path starting with `/`"

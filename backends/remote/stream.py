@@ -39,6 +39,8 @@ _encode = msgspec.json.Encoder().encode
 
 class _Delta(msgspec.Struct):
     content: str | None = None
+    reasoning: str | None = None  # a thinking model's (vLLM's name, then its older one)
+    reasoning_content: str | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -98,7 +100,10 @@ def report_choices(record: Any, choices: Any, *, streamed: bool) -> None:
             continue
         if streamed:
             delta = choice.get("delta")
-            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if isinstance(delta, dict):  # a thinking model's reasoning times the first token too
+                text = delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content")
+            else:
+                text = choice.get("text")
             if text and isinstance(text, str):
                 record.event(text)
         reason = choice.get("finish_reason")
@@ -202,7 +207,10 @@ class RelayStream:
         if record is not None:
             for choice in chunk.choices:
                 delta = choice.delta
-                text = delta.content if delta is not None else choice.text
+                if delta is not None:  # as report_choices reads it
+                    text = delta.content or delta.reasoning or delta.reasoning_content
+                else:
+                    text = choice.text
                 if text:
                     record.event(text)
                 if choice.finish_reason:

@@ -1,0 +1,155 @@
+"""Reasoning parsers: a thinking model's ``<think> ... </think>`` text as ``reasoning``, the rest
+as ``content``.
+
+vLLM's ``--reasoning-parser``, here a local model's ``reasoning_parser`` in router.toml. The
+response's message then has a ``reasoning`` field (what vLLM calls it; it was
+``reasoning_content``), and stream deltas carry ``reasoning`` while the model thinks and
+``content`` after. Tool calls and stop strings are looked for in the content only.
+
+Two formats, both ``<think>`` and ``</think>`` written as text (in Qwen3's and DeepSeek-R1's
+vocabularies they are added tokens that are not control tokens, so the detokenizer keeps them):
+
+- ``deepseek_r1``: the output is reasoning until ``</think>``. R1's template opens the block in
+  the prompt, older ones let the model write ``<think>`` itself (dropped). No ``</think>`` by
+  the end: all of it was reasoning (cut off by ``max_tokens``).
+- ``qwen3``: reasoning only inside a block the model opens (``<think>`` first in its output), or
+  one the prompt opens (Qwen3's thinking-only models end their prompt with ``<think>``). With
+  ``enable_thinking: false`` Qwen3's template closes an empty block in the prompt, and the
+  output is content.
+
+The template's layout is not part of either field: whitespace right after ``<think>`` and
+``</think>`` and right before ``</think>`` is dropped. A parser is one choice's state, fed text
+piece by piece, split anywhere; any split gives the same two texts as the whole at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .tools.markers import partial_marker
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+@dataclass(slots=True)
+class ReasoningDelta:
+    """What one piece of model text turned into: reasoning and content to send now."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningParser:
+    """Splits one generation's text into reasoning and content (see the module docstring).
+
+    ``prompt_opens``: the prompt ends inside an open ``<think>`` block. A subclass says where
+    text goes when the output does not open a block itself (:attr:`starts_thinking`).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, prompt_opens: bool) -> None:
+        # "start": the output may still open a block; then "reasoning" until CLOSE; "content".
+        self._mode = "start"
+        self._otherwise = "reasoning" if prompt_opens or self.starts_thinking() else "content"
+        self._buf = ""
+        self._trim = False  # whitespace at the start of the part being read is layout
+        self._finished = False
+        self.reasoning_parts: list[str] = []
+
+    @classmethod
+    def starts_thinking(cls) -> bool:
+        """Whether an output that opens no block is reasoning (until ``</think>``)."""
+        raise NotImplementedError
+
+    @property
+    def reasoning(self) -> str | None:
+        """All reasoning so far; None when there was none."""
+        return "".join(self.reasoning_parts) or None
+
+    def push(self, text: str) -> ReasoningDelta:
+        """Feed the next piece of model text; return what can be sent now."""
+        out = ReasoningDelta()
+        if text and not self._finished:
+            self._buf += text
+            self._feed(out, final=False)
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        """End of generation: release what was held back (a marker's possible beginning)."""
+        out = ReasoningDelta()
+        if not self._finished:
+            self._finished = True
+            self._feed(out, final=True)
+        return out
+
+    def _feed(self, out: ReasoningDelta, final: bool) -> None:
+        while True:
+            if self._mode == "start":
+                head = self._buf.lstrip()
+                if head.startswith(OPEN):
+                    self._buf, self._mode, self._trim = head[len(OPEN) :], "reasoning", True
+                elif not final and OPEN.startswith(head):
+                    return  # nothing yet, or the beginning of <think>: wait
+                else:
+                    self._mode = self._otherwise
+                    self._trim = self._mode == "reasoning"
+                continue
+            if self._trim:
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    return
+                self._trim = False
+            if self._mode == "content":
+                out.content += self._buf
+                self._buf = ""
+                return
+            at = self._buf.find(CLOSE)
+            if at >= 0:
+                self._reason(out, self._buf[:at].rstrip())
+                self._buf, self._mode, self._trim = self._buf[at + len(CLOSE) :], "content", True
+                continue
+            if final:
+                self._reason(out, self._buf.rstrip())
+                self._buf = ""
+                return
+            # Hold back what may begin </think>, and whitespace that may turn out to precede it.
+            safe = self._buf[: len(self._buf) - partial_marker(self._buf, CLOSE)].rstrip()
+            self._reason(out, safe)
+            self._buf = self._buf[len(safe) :]
+            return
+
+    def _reason(self, out: ReasoningDelta, text: str) -> None:
+        if text:
+            out.reasoning += text
+            self.reasoning_parts.append(text)
+
+
+class DeepSeekR1Parser(ReasoningParser):
+    """DeepSeek-R1 and QwQ: reasoning first, whether or not the output opens the block."""
+
+    name = "deepseek_r1"
+
+    @classmethod
+    def starts_thinking(cls) -> bool:
+        return True
+
+
+class Qwen3Parser(ReasoningParser):
+    """Qwen3: reasoning only inside a block the output or the prompt opens."""
+
+    name = "qwen3"
+
+    @classmethod
+    def starts_thinking(cls) -> bool:
+        return False
+
+
+PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser)}
+"""Reasoning formats by the name a model's ``reasoning_parser`` gives."""
+
+
+def prompt_opens_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt whose last characters are ``prompt_tail`` leaves a ``<think>`` block open."""
+    return prompt_tail.rstrip().endswith(OPEN)

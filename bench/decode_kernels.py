@@ -11,22 +11,33 @@ head at 8 bits as that format keeps it). A second table times the fp16 and C ker
 of 1 to 512 rows (prefill chunks reach 512). The packed formats run decode-only steps of any
 size through the C kernel (one call for the whole step, see backends/torch/cpu_decode.py) and
 the larger matrices of prefill and mixed steps, above ``quantize.SMALL_BATCH`` rows, through
-fbgemm's fp16 copy of the same weights.
+fbgemm's fp16 copy of the same weights, where one is kept (``quantize.large_batch_copy``).
+
+``--base REV`` adds a third table: this tree's C kernel against the one at a git revision
+(built from its source with the same flags, same packed weights), alternating, medians.
 
     .venv/bin/python bench/decode_kernels.py
+    .venv/bin/python bench/decode_kernels.py --base 8c89b60 --rows 1,2,4,8,12
 """
 
 from __future__ import annotations
 
-import time
-
+import argparse
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from backends.torch import native  # noqa: E402
 from backends.torch.quantize import PackedLinear  # noqa: E402
+from test_cpu_kernels import linear_with  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -42,7 +53,36 @@ def timed(fn, reps: int = REPS) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def against_base(rev: str, rows: list[int], int8: list[PackedLinear], int4: list[PackedLinear]) -> None:
+    """This tree's C kernel against ``rev``'s on the same packed weights, alternating."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "base.c"
+        source.write_bytes(subprocess.run(["git", "show", f"{rev}:backends/torch/csrc/cpu_kernels.c"], cwd=ROOT,
+                                          check=True, capture_output=True).stdout)
+        native.compile_library(Path(tmp) / "base.so", native._compiler(), native._FLAGS, source)
+        builds = {rev: native.load(Path(tmp) / "base.so"), "this tree": native.kernels()}
+        print(f"\nall projections of one step, {rev} against this tree (ms, median of {REPS + 2}, alternating):")
+        print(f"{'rows':>4} {'format':>6} " + " ".join(f"{name:>10}" for name in builds) + "   ratio")
+        for m in rows:
+            batch = {k: torch.randn(m, k) for k in (576, 1536)}
+            for name, lins in (("int8", int8), ("int4", int4)):
+                times: dict[str, list[float]] = {b: [] for b in builds}
+                for rep in range(REPS + 2):
+                    order = list(builds.items()) if rep % 2 == 0 else list(builds.items())[::-1]
+                    for build, k in order:
+                        start = time.perf_counter()
+                        for lin in lins:
+                            linear_with(k, lin, batch[lin.in_features])
+                        times[build].append(time.perf_counter() - start)
+                ms = [statistics.median(t) * 1e3 for t in times.values()]
+                print(f"{m:>4} {name:>6} " + " ".join(f"{t:>10.1f}" for t in ms) + f"   {ms[0] / ms[1]:.2f}x")
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", help="also time the C kernel at this git revision against this tree's")
+    p.add_argument("--rows", default="1,2,4,8,12,16,32,64", help="rows for --base (default 1,2,4,8,12,16,32,64)")
+    args = p.parse_args()
     torch.manual_seed(0)
     print(f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
     big = torch.randn(128 * 2**20)
@@ -91,6 +131,8 @@ def main() -> None:
             own = timed(lambda: [lin.kernel_forward(batch[lin.in_features]) for lin in int8], reps)
             own4 = timed(lambda: [lin.kernel_forward(batch[lin.in_features]) for lin in int4], reps)
             print(f"{m:>4} {fp16 * 1e3:>14.1f} {own * 1e3:>9.1f} {own4 * 1e3:>9.1f}")
+        if args.base:
+            against_base(args.base, [int(r) for r in args.rows.split(",")], int8, int4)
 
 
 if __name__ == "__main__":

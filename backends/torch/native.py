@@ -174,9 +174,10 @@ def _build() -> Path:
     return target
 
 
-def compile_library(target: Path, cc: str, flags: tuple[str, ...]) -> None:
-    """Compile the kernels into ``target`` (atomically: concurrent builders each write their own
-    temporary file), with OpenMP if the compiler has it."""
+def compile_library(target: Path, cc: str, flags: tuple[str, ...], source: Path = SOURCE) -> None:
+    """Compile the kernels (``source``: another version of them, for benchmarks) into ``target``
+    (atomically: concurrent builders each write their own temporary file), with OpenMP if the
+    compiler has it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
     os.close(fd)
@@ -184,7 +185,7 @@ def compile_library(target: Path, cc: str, flags: tuple[str, ...]) -> None:
         errors = []
         # Without OpenMP (a compiler that lacks it) the kernels run on one thread.
         for extra in (("-fopenmp",), ()):
-            cmd = [cc, *flags, *extra, str(SOURCE), "-o", tmp, "-lm"]
+            cmd = [cc, *flags, *extra, str(source), "-o", tmp, "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode == 0:
                 if not extra:

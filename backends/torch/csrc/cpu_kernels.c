@@ -559,101 +559,87 @@ static inline void store_rows(const float *res, int64_t rs, int64_t m, int64_t r
 }
 
 #ifdef RK_AVX2
+/* One group of one tile (its packed weights u) against R rows (R <= 4) of the batch (x: the
+ * group's first input, row stride Kp): per row, each channel's int32 sum of products (channel c
+ * in lane c). With AVX-512 VNNI one zmm holds two pair-steps of the tile (lanes 0-7 the first,
+ * 8-15 the second), one vpdpwssd a row multiplies and adds both, and the halves are added at the
+ * end; with AVX2 alone, vpmaddwd and an add per pair-step. The sums are exact either way. */
+static inline __attribute__((always_inline)) void group_sums(const uint8_t *u, int64_t G, const int bits,
+                                                             const int16_t *x, int64_t Kp, const int R,
+                                                             __m256i *sums) {
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+#ifdef RK_VNNI
+    /* a row's two int16 pairs (pair-steps 2p and 2p + 1) spread over lanes 0-7 and 8-15 */
+    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i a[4];
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+    for (int64_t p = 0; p < G / 4; p++) {
+        __m512i wv;
+        if (bits == 8) { /* pair-steps 2p and 2p + 1: 32 bytes in a row */
+            if ((p & 1) == 0) _mm_prefetch((const char *)(u + 32 * p + 2048), _MM_HINT_T0);
+            wv = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(u + 32 * p)));
+        } else { /* low nibbles pair-step 2p, high ones 2p + 1 */
+            if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 1024), _MM_HINT_T0);
+            const __m128i v = _mm_loadu_si128((const __m128i *)(u + 16 * p));
+            wv = _mm512_cvtepu8_epi16(
+                _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), _mm_and_si128(v, nibble)));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i b = _mm512_permutexvar_epi32(
+                spread, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(x + r * Kp + 4 * p))));
+            a[r] = _mm512_dpwssd_epi32(a[r], wv, b);
+        }
+    }
+    for (int r = 0; r < R; r++) sums[r] = _mm256_add_epi32(_mm512_castsi512_si256(a[r]), _mm512_extracti64x4_epi64(a[r], 1));
+#else
+    for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+    if (bits == 8) {
+        for (int64_t p = 0; p < G / 2; p++) {
+            if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 2048), _MM_HINT_T0);
+            const __m256i wv = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + 16 * p)));
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * Kp + 2 * p, sizeof pair);
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair)));
+            }
+        }
+    } else {
+        for (int64_t p = 0; p < G / 4; p++) {
+            if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 1024), _MM_HINT_T0);
+            const __m128i v = _mm_loadu_si128((const __m128i *)(u + 16 * p));
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble));
+            const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
+            for (int r = 0; r < R; r++) {
+                int32_t p0, p1;
+                memcpy(&p0, x + r * Kp + 4 * p, sizeof p0);
+                memcpy(&p1, x + r * Kp + 4 * p + 2, sizeof p1);
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(lo, _mm256_set1_epi32(p0)));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(hi, _mm256_set1_epi32(p1)));
+            }
+        }
+    }
+#endif
+}
+
 /* R rows (R <= 4) of the batch against one tile: res[r * TILE + c]. */
 static inline __attribute__((always_inline)) void tile_rows(const uint8_t *tile, int64_t NG, int64_t G,
                                                             const int bits, const int16_t *q, int64_t Kp,
                                                             const float *xs, const int R, float *res) {
     const int64_t gb = group_bytes(G, bits);
-    const __m128i nibble = _mm_set1_epi8(0x0f);
     __m256 f[4];
     for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        const uint8_t *grp = tile + g * gb, *u = grp + 8 * TILE;
-        const int16_t *x = q + g * G;
-        __m256i a[4];
-        for (int r = 0; r < R; r++) a[r] = _mm256_setzero_si256();
-        if (bits == 8) {
-            for (int64_t p = 0; p < G / 2; p++) {
-                if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 2048), _MM_HINT_T0);
-                const __m256i wv = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + 16 * p)));
-                for (int r = 0; r < R; r++) {
-                    int32_t pair;
-                    memcpy(&pair, x + r * Kp + 2 * p, sizeof pair);
-                    a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair)));
-                }
-            }
-        } else {
-            for (int64_t p = 0; p < G / 4; p++) {
-                if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 1024), _MM_HINT_T0);
-                const __m128i v = _mm_loadu_si128((const __m128i *)(u + 16 * p));
-                const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, nibble));
-                const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nibble));
-                for (int r = 0; r < R; r++) {
-                    int32_t p0, p1;
-                    memcpy(&p0, x + r * Kp + 4 * p, sizeof p0);
-                    memcpy(&p1, x + r * Kp + 4 * p + 2, sizeof p1);
-                    a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(lo, _mm256_set1_epi32(p0)));
-                    a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(hi, _mm256_set1_epi32(p1)));
-                }
-            }
-        }
+        const uint8_t *grp = tile + g * gb;
+        __m256i sums[4];
+        group_sums(grp + 8 * TILE, G, bits, q + g * G, Kp, R, sums);
         const __m256 scale = _mm256_loadu_ps((const float *)grp), low = _mm256_loadu_ps((const float *)grp + TILE);
         for (int r = 0; r < R; r++) {
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), scale, f[r]);
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), scale, f[r]);
             f[r] = _mm256_fmadd_ps(low, _mm256_set1_ps(xs[r * NG + g]), f[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res + r * TILE, f[r]);
 }
-
-#ifdef RK_VNNI
-/* tile_rows with AVX-512 VNNI: one zmm holds two pair-steps of the tile (lanes 0-7 the first, 8-15
- * the second), one vpdpwssd a row multiplies and adds both, and the two halves are added (int32,
- * exact) before the float steps, which are tile_rows' own: the same bits. */
-static inline __attribute__((always_inline)) void vnni_tile_rows(const uint8_t *tile, int64_t NG, int64_t G,
-                                                                 const int bits, const int16_t *q, int64_t Kp,
-                                                                 const float *xs, const int R, float *res) {
-    const int64_t gb = group_bytes(G, bits);
-    const __m128i nibble = _mm_set1_epi8(0x0f);
-    /* a row's two int16 pairs (pair-steps 2p and 2p + 1) spread over lanes 0-7 and 8-15 */
-    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m256 f[4];
-    for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < NG; g++) {
-        const uint8_t *grp = tile + g * gb, *u = grp + 8 * TILE;
-        const int16_t *x = q + g * G;
-        __m512i a[4];
-        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
-        for (int64_t p = 0; p < G / 4; p++) {
-            __m512i wv;
-            if (bits == 8) { /* pair-steps 2p and 2p + 1: 32 bytes in a row */
-                if ((p & 1) == 0) _mm_prefetch((const char *)(u + 32 * p + 2048), _MM_HINT_T0);
-                wv = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(u + 32 * p)));
-            } else { /* low nibbles pair-step 2p, high ones 2p + 1 */
-                if ((p & 3) == 0) _mm_prefetch((const char *)(u + 16 * p + 1024), _MM_HINT_T0);
-                const __m128i v = _mm_loadu_si128((const __m128i *)(u + 16 * p));
-                wv = _mm512_cvtepu8_epi16(
-                    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), _mm_and_si128(v, nibble)));
-            }
-            for (int r = 0; r < R; r++) {
-                const __m512i b = _mm512_permutexvar_epi32(
-                    spread, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(x + r * Kp + 4 * p))));
-                a[r] = _mm512_dpwssd_epi32(a[r], wv, b);
-            }
-        }
-        const __m256 scale = _mm256_loadu_ps((const float *)grp), low = _mm256_loadu_ps((const float *)grp + TILE);
-        for (int r = 0; r < R; r++) {
-            const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(a[r]), _mm512_extracti64x4_epi64(a[r], 1));
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, f[r]);
-            f[r] = _mm256_fmadd_ps(low, _mm256_set1_ps(xs[r * NG + g]), f[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(res + r * TILE, f[r]);
-}
-#define TILE_ROWS vnni_tile_rows
-#else
-#define TILE_ROWS tile_rows
-#endif
 
 /* Batches of WIDE_ROWS rows and more take a second loop: per pair of tiles, every weight is
  * widened to int16 once into a buffer (Kp * 16 int16, in L1 or L2), then rows go through it two
@@ -902,13 +888,13 @@ void rk_linear(const int16_t *q, const float *dq, int64_t M, int64_t Kp, const u
 #ifdef RK_AVX2
             /* constant bits and rows: each combination compiles to its own unrolled loop */
             if (bits == 8) {
-                if (rows == 4) TILE_ROWS(tile, NG, G, 8, x, Kp, xs, 4, res);
-                else if (rows == 2) TILE_ROWS(tile, NG, G, 8, x, Kp, xs, 2, res);
-                else TILE_ROWS(tile, NG, G, 8, x, Kp, xs, 1, res);
+                if (rows == 4) tile_rows(tile, NG, G, 8, x, Kp, xs, 4, res);
+                else if (rows == 2) tile_rows(tile, NG, G, 8, x, Kp, xs, 2, res);
+                else tile_rows(tile, NG, G, 8, x, Kp, xs, 1, res);
             } else {
-                if (rows == 4) TILE_ROWS(tile, NG, G, 4, x, Kp, xs, 4, res);
-                else if (rows == 2) TILE_ROWS(tile, NG, G, 4, x, Kp, xs, 2, res);
-                else TILE_ROWS(tile, NG, G, 4, x, Kp, xs, 1, res);
+                if (rows == 4) tile_rows(tile, NG, G, 4, x, Kp, xs, 4, res);
+                else if (rows == 2) tile_rows(tile, NG, G, 4, x, Kp, xs, 2, res);
+                else tile_rows(tile, NG, G, 4, x, Kp, xs, 1, res);
             }
 #else
             for (int64_t r = 0; r < rows; r++) {

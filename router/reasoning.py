@@ -4,7 +4,8 @@ as ``content``.
 vLLM's ``--reasoning-parser``, here a local model's ``reasoning_parser`` in router.toml. The
 response's message then has a ``reasoning`` field (what vLLM calls it; it was
 ``reasoning_content``), and stream deltas carry ``reasoning`` while the model thinks and
-``content`` after. Tool calls and stop strings are looked for in the content only.
+``content`` after. Tool calls are looked for in the content only (stop strings in the whole
+text, before this split).
 
 Two formats, both ``<think>`` and ``</think>`` written as text (in Qwen3's and DeepSeek-R1's
 vocabularies they are added tokens that are not control tokens, so the detokenizer keeps them):
@@ -48,20 +49,17 @@ class ReasoningParser:
     """
 
     name: ClassVar[str]
+    starts_thinking: ClassVar[bool]
+    """Whether an output that opens no block is reasoning (until ``</think>``)."""
 
     def __init__(self, prompt_opens: bool) -> None:
         # "start": the output may still open a block; then "reasoning" until CLOSE; "content".
         self._mode = "start"
-        self._otherwise = "reasoning" if prompt_opens or self.starts_thinking() else "content"
+        self._otherwise = "reasoning" if prompt_opens or self.starts_thinking else "content"
         self._buf = ""
         self._trim = False  # whitespace at the start of the part being read is layout
         self._finished = False
         self.reasoning_parts: list[str] = []
-
-    @classmethod
-    def starts_thinking(cls) -> bool:
-        """Whether an output that opens no block is reasoning (until ``</think>``)."""
-        raise NotImplementedError
 
     @property
     def reasoning(self) -> str | None:
@@ -130,20 +128,14 @@ class DeepSeekR1Parser(ReasoningParser):
     """DeepSeek-R1 and QwQ: reasoning first, whether or not the output opens the block."""
 
     name = "deepseek_r1"
-
-    @classmethod
-    def starts_thinking(cls) -> bool:
-        return True
+    starts_thinking = True
 
 
 class Qwen3Parser(ReasoningParser):
     """Qwen3: reasoning only inside a block the output or the prompt opens."""
 
     name = "qwen3"
-
-    @classmethod
-    def starts_thinking(cls) -> bool:
-        return False
+    starts_thinking = False
 
 
 PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser)}

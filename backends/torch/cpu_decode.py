@@ -17,9 +17,10 @@ places. The numbers are those of the packed format's C-kernel path up to float r
 token for token), and a row's are the same whatever else the step holds.
 
 Which steps: every step that decodes, whatever its size, and the steps where prompt chunks join
-them, unless those chunks are long (:data:`PROMPT_POSITIONS`, :data:`VNNI_PROMPT_POSITIONS`); those, and other weight formats,
-run :class:`.model.CausalLM` as written. Matrix by matrix, fbgemm's fp16 GEMM (what the torch path
-uses above :data:`~.quantize.SMALL_BATCH` rows) keeps pace with the C kernel, but the torch
+them, unless those chunks are long (:data:`PROMPT_POSITIONS`, :data:`VNNI_PROMPT_POSITIONS`);
+those, and other weight formats, run :class:`.model.CausalLM` as written. Matrix by matrix,
+fbgemm's fp16 GEMM (what the torch path uses above :data:`~.quantize.SMALL_BATCH` rows where it
+keeps a copy) keeps pace with the C kernel, but the torch
 operations around the projections cost more: a 32-sequence decode step took 184 ms as torch
 operations and 134 ms here (bench/decode_step.py --rows 32 --torch-ops); with arrivals staggered
 over 32 streams, a step that decodes about 30 sequences and computes a short prompt took about

@@ -21,18 +21,30 @@ BUILDS = ["native"] + (["portable"] if X86 else []) + (["avx2"] if X86 and nativ
 PORTABLE = {"portable": (("-march=x86-64",), 0), "avx2": (("-march=x86-64-v3",), 1)}
 
 
+def portable_build(tmp_path_factory, name: str):
+    flags, simd = PORTABLE[name]
+    path = tmp_path_factory.mktemp(name) / "cpu_kernels.so"
+    native.compile_library(path, native._compiler(), ("-O2", *flags, "-ffp-contract=off", "-shared", "-fPIC"))
+    built = native.load(path)
+    assert built.simd == simd
+    return built
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """The library for AVX2 alone (built once for the module)."""
+    return portable_build(tmp_path_factory, "avx2")
+
+
 @pytest.fixture(scope="module", params=BUILDS)
 def k(request, tmp_path_factory):
     """The library as the engine builds it (-march=native: AVX-512 VNNI here), a build for AVX2
     alone, and one for plain x86-64, whose other loops must compute the same."""
     if request.param == "native":
         return native.kernels()
-    flags, simd = PORTABLE[request.param]
-    path = tmp_path_factory.mktemp(request.param) / "cpu_kernels.so"
-    native.compile_library(path, native._compiler(), ("-O2", *flags, "-ffp-contract=off", "-shared", "-fPIC"))
-    built = native.load(path)
-    assert built.simd == simd
-    return built
+    if request.param == "avx2":
+        return request.getfixturevalue("avx2_build")
+    return portable_build(tmp_path_factory, request.param)
 
 
 def linear_with(k, lin: PackedLinear, x: torch.Tensor, out: torch.Tensor | None = None, accumulate=False):
@@ -247,12 +259,10 @@ def test_a_row_gets_the_same_bits_whatever_the_batch(k, bits):
 
 @pytest.mark.skipif("avx2" not in BUILDS, reason="the native build has no VNNI loop")
 @pytest.mark.parametrize("bits", [8, 4])
-def test_the_vnni_loop_gives_the_avx2_loops_bits(tmp_path, bits):
+def test_the_vnni_loop_gives_the_avx2_loops_bits(avx2_build, bits):
     # Same products, exact int32 sums, the same float steps in the same order: a model's tokens
     # do not depend on which of the two machines served them.
-    path = tmp_path / "cpu_kernels.so"
-    native.compile_library(path, native._compiler(), ("-O3", "-march=x86-64-v3", "-ffp-contract=off", "-shared", "-fPIC"))
-    avx2 = native.load(path)
+    avx2 = avx2_build
     torch.manual_seed(6)
     lin = PackedLinear(torch.nn.Linear(1536, 130, bias=True), bits)
     x = torch.randn(41, 1536)

@@ -59,7 +59,7 @@ static int thread_index(void) {
 #endif
 }
 
-/* 0: scalar loops; 1: AVX2; 2: AVX2 and, for batches of WIDE_ROWS rows, AVX-512 VNNI. */
+/* 0: scalar loops; 1: AVX2; 2: AVX2 and AVX-512 VNNI (both matmul loops multiply-add with vpdpwssd). */
 int rk_simd(void) {
 #if defined(RK_VNNI)
     return 2;

@@ -1,8 +1,8 @@
 """Sampling extras beyond the OpenAI set (vLLM's names).
 
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``prompt_logprobs`` and
-``allowed_token_ids``. Each one the request actually uses is declared as a capability the model
+``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``prompt_logprobs``,
+``allowed_token_ids`` and ``skip_special_tokens``. Each one the request actually uses is declared as a capability the model
 must have, so a backend that cannot honour it answers 400 instead of ignoring it.
 """
 
@@ -40,6 +40,8 @@ def request_fields() -> list[RequestField]:
         RequestField("prompt_logprobs", Annotated[int, Meta(ge=0, le=20)] | None, None,
                      description="Also return each prompt token's logprob, rank and this many most "
                                  "likely alternatives (not with stream)."),
+        RequestField("skip_special_tokens", bool | None, None,
+                     description="Leave control tokens out of the text (default true); false spells them out."),
     ]
 
 
@@ -68,6 +70,9 @@ def prepare_request(request: Any, model: Any, params: Any, endpoint: str) -> Non
         params.include_stop_str_in_output = True
     if request.return_token_ids:
         params.return_token_ids = True
+    if request.skip_special_tokens is False:
+        params.skip_special_tokens = False
+        params.require("skip_special_tokens", "skip_special_tokens")
     if request.allowed_token_ids is not None:
         if not request.allowed_token_ids:
             raise BadRequest("allowed_token_ids must name at least one token id.", param="allowed_token_ids")

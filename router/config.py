@@ -78,17 +78,27 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     chat_template: str | None = None
     """Path of a Jinja file that overrides the model's own chat template."""
     owned_by: str = "router"
-    tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = "hermes"
-    """How a local model writes tool calls (docs/tools.md); None: the model takes no tools."""
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    tool_parser: Literal["hermes", "llama3_json", "mistral", "openai"] | None = "hermes"
+    """How a local model writes tool calls (docs/tools.md); None: the model takes no tools.
+    ``openai``: gpt-oss's harmony format, read with its reasoning (router/harmony.py)."""
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "openai_gptoss"] | None = None
     """How a local thinking model marks its reasoning, sent apart as ``reasoning``
-    (router/reasoning.py); None: all of the reply is content."""
+    (router/reasoning.py, router/harmony.py); None: all of the reply is content."""
     max_tokens_limit: Annotated[int, Meta(ge=1)] | None = None
     """Most tokens one request may generate; more is a 400, none asked means at most this."""
     max_concurrency: Annotated[int, Meta(ge=1)] | None = None
     """Requests running at once; more wait in the admission queue (None: no limit here)."""
     max_queue: Annotated[int, Meta(ge=0)] | None = None
     """Requests waiting beyond max_concurrency; past it, 429 at once (None: no limit)."""
+
+    def __post_init__(self) -> None:
+        # Harmony is one format: one parser reads a gpt-oss reply's reasoning, content and calls.
+        if (self.reasoning_parser == "openai_gptoss") != (self.tool_parser == "openai"):
+            raise ValueError(
+                'gpt-oss\'s harmony format takes both reasoning_parser = "openai_gptoss" and '
+                'tool_parser = "openai"; '
+                f"got reasoning_parser = {self.reasoning_parser!r} and tool_parser = {self.tool_parser!r}"
+            )
 
     def adapter_names(self) -> list[str]:
         """Further model names this entry serves (LoRA adapters of it, each a model of its own

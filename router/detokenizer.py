@@ -8,6 +8,7 @@ difference, unless it ends in U+FFFD (an unfinished character, held back until t
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 from .engine import Tokenizer
@@ -19,22 +20,23 @@ _CONTEXT = 5
 class IncrementalDetokenizer:
     """Turns a growing sequence of generated ids into text deltas for one sequence."""
 
-    __slots__ = ("_tok", "_ids", "_prefix", "_read", "_prefix_text")
+    __slots__ = ("_decode", "_ids", "_prefix", "_read", "_prefix_text")
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
-        self._tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        # Control tokens spelled out when asked (harmony's and Mistral's markers are control tokens).
+        self._decode = tokenizer.decode if skip_special_tokens else partial(tokenizer.decode, skip_special_tokens=False)
         # The prompt's tail gives the first generated token its correct spelling.
         self._ids: list[int] = list(prompt_ids[-(_CONTEXT + 1) :])
         self._read = len(self._ids)
         self._prefix = max(self._read - _CONTEXT, 0)
-        self._prefix_text = tokenizer.decode(self._ids[self._prefix : self._read])
+        self._prefix_text = self._decode(self._ids[self._prefix : self._read])
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add generated ids; return the text that is now complete (may be "")."""
         if not token_ids:
             return ""
         self._ids.extend(token_ids)
-        new_text = self._tok.decode(self._ids[self._prefix :])
+        new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(self._prefix_text) :]
@@ -42,7 +44,7 @@ class IncrementalDetokenizer:
         read = len(self._ids)
         start = max(read - _CONTEXT, 0)
         self._prefix_text = (
-            new_text if start == self._prefix else self._tok.decode(self._ids[start:read])
+            new_text if start == self._prefix else self._decode(self._ids[start:read])
         )
         del self._ids[:start]
         self._prefix = 0

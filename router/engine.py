@@ -28,8 +28,11 @@ class Tokenizer(Protocol):
         """Text to ids. ``parse_special=False`` tokenizes control-token text as ordinary text."""
         ...
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Ids to text, control tokens skipped, invalid UTF-8 as U+FFFD."""
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Ids to text, invalid UTF-8 as U+FFFD; control tokens skipped, or with
+        ``skip_special_tokens=False`` spelled out (``<|im_end|>``), for the parsers of formats
+        whose markers are control tokens and for vLLM's request option of that name. Callers
+        pass the keyword only to keep them, so a tokenizer that never does may omit it."""
         ...
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -57,6 +60,7 @@ LOCAL_ENGINE_CAPABILITIES = frozenset(
         "structured_outputs",
         "prompt_logprobs",
         "allowed_token_ids",
+        "skip_special_tokens",
     }
 )
 

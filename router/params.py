@@ -41,12 +41,17 @@ class GenerationParams:
     """Return vLLM's ``prompt_logprobs`` field with this many alternatives per token (asked for
     by that extra, or by completions' ``echo`` with ``logprobs``, as vLLM does)."""
     return_token_ids: bool = False
+    skip_special_tokens: bool = True
+    """Leave control tokens out of the text (false: spell them out, ``<|im_end|>``). A format
+    whose markers are control tokens (harmony, Mistral's calls) keeps them whatever this says."""
     # chat templating
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
     """Send a thinking model's reasoning (models with a ``reasoning_parser``)."""
+    reasoning_effort: str | None = None
+    """The template variable ``reasoning_effort`` unless ``chat_template_kwargs`` sets it."""
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
     """None or "auto", "required", or the name of the function that must be called."""

@@ -41,8 +41,10 @@ def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
             d["content"] = "\n".join(texts)
         elif content is None:
             d["content"] = "" if not getattr(message, "tool_calls", None) else None
-        if isinstance(message, AssistantMessage) and message.reasoning_content is None and message.reasoning:
-            d["reasoning_content"] = message.reasoning  # the name templates (Qwen3's) read
+        if isinstance(message, AssistantMessage) and (message.reasoning or message.reasoning_content):
+            # The names templates read: Qwen3's reasoning_content, gpt-oss's thinking.
+            d["reasoning_content"] = message.reasoning_content or message.reasoning
+            d["thinking"] = d["reasoning_content"]
         if isinstance(message, AssistantMessage) and message.tool_calls:
             for call in d["tool_calls"]:
                 try:

@@ -25,8 +25,8 @@ piece by piece, split anywhere; any split gives the same two texts as the whole 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from .tools.markers import partial_marker
 
@@ -35,29 +35,28 @@ OPEN, CLOSE = "<think>", "</think>"
 
 @dataclass(slots=True)
 class ReasoningDelta:
-    """What one piece of model text turned into: reasoning and content to send now."""
+    """What one piece of model text turned into: reasoning and content to send now (and, from a
+    parser that reads calls too, as harmony's does, tool-call deltas)."""
 
     reasoning: str = ""
     content: str = ""
+    calls: list[Any] = field(default_factory=list)
 
 
-class ReasoningParser:
-    """Splits one generation's text into reasoning and content (see the module docstring).
+class ReplySplitter:
+    """One choice's reply being split as it streams: text pieces in, :class:`ReasoningDelta` out.
 
-    ``prompt_opens``: the prompt ends inside an open ``<think>`` block. A subclass says where
-    text goes when the output does not open a block itself (:attr:`starts_thinking`).
+    A subclass implements :meth:`_feed`: consume as much of ``self._buf`` as it can decide (all
+    of it when ``final``), adding what it found to ``out``.
     """
 
-    name: ClassVar[str]
-    starts_thinking: ClassVar[bool]
-    """Whether an output that opens no block is reasoning (until ``</think>``)."""
+    reads_control_tokens: ClassVar[bool] = False
+    """Whether the text read must spell out control tokens (``<think>`` is not one)."""
+    calls: ClassVar[tuple[Any, ...]] = ()
+    """Tool calls found (none, unless the format's calls are read here too, as harmony's are)."""
 
-    def __init__(self, prompt_opens: bool) -> None:
-        # "start": the output may still open a block; then "reasoning" until CLOSE; "content".
-        self._mode = "start"
-        self._otherwise = "reasoning" if prompt_opens or self.starts_thinking else "content"
+    def __init__(self) -> None:
         self._buf = ""
-        self._trim = False  # whitespace at the start of the part being read is layout
         self._finished = False
         self.reasoning_parts: list[str] = []
 
@@ -80,7 +79,30 @@ class ReasoningParser:
         if not self._finished:
             self._finished = True
             self._feed(out, final=True)
+            self._buf = ""
         return out
+
+    def _feed(self, out: ReasoningDelta, final: bool) -> None:
+        raise NotImplementedError
+
+
+class ReasoningParser(ReplySplitter):
+    """Splits one generation's text into reasoning and content (see the module docstring).
+
+    ``prompt_opens``: the prompt ends inside an open ``<think>`` block. A subclass says where
+    text goes when the output does not open a block itself (:attr:`starts_thinking`).
+    """
+
+    name: ClassVar[str]
+    starts_thinking: ClassVar[bool]
+    """Whether an output that opens no block is reasoning (until ``</think>``)."""
+
+    def __init__(self, prompt_opens: bool) -> None:
+        super().__init__()
+        # "start": the output may still open a block; then "reasoning" until CLOSE; "content".
+        self._mode = "start"
+        self._otherwise = "reasoning" if prompt_opens or self.starts_thinking else "content"
+        self._trim = False  # whitespace at the start of the part being read is layout
 
     def _feed(self, out: ReasoningDelta, final: bool) -> None:
         while True:

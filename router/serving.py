@@ -14,6 +14,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 import msgspec
@@ -80,8 +81,9 @@ class Choice:
     cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None  # the engine's TokenLogprobs of prompt tokens 1..P-1
     prediction_tokens: tuple[int, int] = (0, 0)  # prediction tokens kept, refused (EngineStep)
+    end_ids: frozenset[int] = frozenset()  # the tokenizer's EOS ids: a "stop" on one hides it
     tools: Any = None  # a router.tools ToolParser when the request has tools
-    reasoning: Any = None  # a router.reasoning ReasoningParser when the model has one
+    reasoning: Any = None  # a ReasoningParser (or harmony.HarmonyParser) when the model has one
     reasoning_field: bool = False  # the model has a reasoning parser: the message has the field
     show_reasoning: bool = True  # the request's include_reasoning
     reasoning_delta: str = ""
@@ -99,19 +101,28 @@ class Choice:
             if self.finished:
                 end = self.reasoning.finish()
                 split.reasoning, split.content = split.reasoning + end.reasoning, split.content + end.content
-            text = split.content
+                split.calls += end.calls
+            text, calls = split.content, split.calls
             self.reasoning_delta = split.reasoning if self.show_reasoning else ""
         if self.tools is not None:
             parsed = self.tools.push(text)
-            text, calls = parsed.content, parsed.calls
+            text, calls = parsed.content, calls + parsed.calls
             if self.finished:
                 end = self.tools.finish()
                 text, calls = text + end.content, calls + end.calls
-                if self.tools.calls and self.finish_reason == "stop":
-                    self.finish_reason = "tool_calls"
+        if self.finished and self.finish_reason == "stop" and self.tool_calls:
+            self.finish_reason = "tool_calls"
         if text:
             self.content.append(text)
         return text, calls
+
+    @property
+    def tool_calls(self) -> Sequence[Any]:
+        """The calls read so far (router.tools ToolCall), by the tool parser or by a reasoning
+        parser that reads them itself (harmony's)."""
+        if self.tools is not None:
+            return self.tools.calls
+        return self.reasoning.calls if self.reasoning is not None else []
 
     def _text(self, step: EngineStep) -> str:
         ids, logprobs = step.token_ids, step.logprobs
@@ -123,9 +134,9 @@ class Choice:
         if step.prediction_tokens is not None:
             self.prediction_tokens = step.prediction_tokens
         text_ids = ids
-        if step.finish_reason == "stop" and step.stop_token is not None:
-            # A stop token ends the sequence without being shown (EOS is a control token and
-            # decodes to nothing anyway).
+        if step.finish_reason == "stop" and ids and (step.stop_token is not None or ids[-1] in self.end_ids):
+            # A stop token or EOS ends the sequence without being shown (also where control
+            # tokens are spelled out).
             text_ids = text_ids[:-1]
         if len(text_ids) > 1 and self.stops.watching:
             # Several tokens in one step (speculative decoding): those after the one that
@@ -201,8 +212,9 @@ class Generation:
                     Choice(
                         index=p * n + i,
                         prompt_index=p,
-                        detok=IncrementalDetokenizer(tok, prompt),
+                        detok=IncrementalDetokenizer(tok, prompt, self.params.skip_special_tokens),
                         stops=StopChecker(self.params.stop, self.params.include_stop_str_in_output),
+                        end_ids=tok.eos_token_ids,
                     )
                 )
 
@@ -432,8 +444,8 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         tools=params.tools,
         add_generation_prompt=params.add_generation_prompt,
         continue_final_message=params.continue_final_message,
-        template_kwargs=params.chat_template_kwargs,
-        tool_format=parser.name if parser is not None else None,
+        template_kwargs=_template_kwargs(params),
+        tool_format=backend.config.tool_parser if parser is not None else None,
     )
     prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, params.max_tokens, engine.max_model_len)
     max_tokens = check_length(len(prompt), params.max_tokens, engine.max_model_len, "messages")
@@ -442,10 +454,13 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     _check_logit_bias(params, tok)
     _check_allowed_ids(params, tok)
     constraints = await _constraints(backend, params, params.n)
-    gen = Generation(backend, [prompt], params, max_tokens, _request_id("chatcmpl"), constraints)
     thinking = _reasoning_parser(backend, params, prompt)
+    formats = [f for f in (parser, thinking.func if thinking is not None else None) if f is not None]
+    if any(f.reads_control_tokens for f in formats):
+        params.skip_special_tokens = False  # the format's markers are control tokens
+    gen = Generation(backend, [prompt], params, max_tokens, _request_id("chatcmpl"), constraints)
     for c in gen.choices:
-        if parser is not None:
+        if parser is not None and (thinking is None or thinking.func is not parser):
             c.tools = parser(params.tools)
         c.reasoning_field, c.show_reasoning = backend.config.reasoning_parser is not None, params.include_reasoning
         if thinking is not None:
@@ -485,6 +500,12 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     return _json.encode(body)
 
 
+def _template_kwargs(params: GenerationParams) -> dict[str, Any] | None:
+    if params.reasoning_effort is None:
+        return params.chat_template_kwargs
+    return {"reasoning_effort": params.reasoning_effort, **(params.chat_template_kwargs or {})}
+
+
 def _tool_parser(backend: "LocalBackend", params: GenerationParams) -> Any:
     """The model's tool parser class when the request has tools; with tool_choice "required" or a
     named function, also the grammar that makes the output a well-formed call."""
@@ -497,9 +518,11 @@ def _tool_parser(backend: "LocalBackend", params: GenerationParams) -> Any:
             param="tools",
         )
     from .constraints import ConstraintSpec
+    from .harmony import HarmonyParser
     from .tools import get_parser
 
-    parser = get_parser(name)
+    # Harmony's calls are read by the same parser as its reasoning (see _reasoning_parser).
+    parser = HarmonyParser if name == "openai" else get_parser(name)
     if params.tool_choice not in (None, "auto", "none"):
         if params.constraint is not None:
             raise BadRequest(
@@ -517,29 +540,34 @@ def _tool_parser(backend: "LocalBackend", params: GenerationParams) -> Any:
 
 
 def _reasoning_parser(backend: "LocalBackend", params: GenerationParams, prompt: list[int]) -> Any:
-    """A factory of the model's reasoning parser for this request's choices, or None: the model
-    has none, or an output constraint governs the whole reply (a grammar leaves no room to think
-    first, so its output is content)."""
+    """The model's reasoning parser for this request's choices, a ``partial`` that makes one per
+    choice, or None: the model has none, or an output constraint governs the whole reply (a
+    grammar leaves no room to think first, so its output is content). Harmony is read even then:
+    its markers frame whatever a grammar lets the model write, its calls among them."""
     name = backend.config.reasoning_parser
+    if name == "openai_gptoss":
+        from .harmony import HarmonyParser
+
+        return partial(HarmonyParser, params.tools)
     if name is None or params.constraint is not None:
         return None
     from .reasoning import PARSERS, prompt_opens_thinking
 
     # The last few tokens are enough to see whether the template ends the prompt with <think>.
     opens = prompt_opens_thinking(backend.engine.tokenizer.decode(prompt[-8:]))
-    return lambda: PARSERS[name](opens)
+    return partial(PARSERS[name], opens)
 
 
 def _message(content: str, choice: Choice) -> ResponseMessage:
-    tools = choice.tools
     reasoning: Any = UNSET
     if choice.reasoning_field:
         reasoning = choice.reasoning.reasoning if choice.reasoning is not None and choice.show_reasoning else None
         if reasoning is not None and not content:
             content = None  # the reply ended while the model was still thinking (vLLM's shape)
-    if tools is None or not tools.calls:
+    found = choice.tool_calls
+    if not found:
         return ResponseMessage(role="assistant", content=content, reasoning=reasoning)
-    calls = [ResponseToolCall(id=c.id, function=ResponseToolCallFunction(c.name, c.arguments)) for c in tools.calls]
+    calls = [ResponseToolCall(id=c.id, function=ResponseToolCallFunction(c.name, c.arguments)) for c in found]
     return ResponseMessage(role="assistant", content=content or None, tool_calls=calls, reasoning=reasoning)
 
 

@@ -12,10 +12,11 @@ class ByteTokenizer:
     """Ids 0-255 are single bytes, then the control tokens, then a few multi-byte words.
 
     Enough to exercise split UTF-8 characters (a 4-byte emoji is four tokens), special tokens
-    (decode skips them) and greedy longest-match encoding.
+    (decode skips them unless told not to) and greedy longest-match encoding. ``extra_specials``
+    adds control tokens after the words (harmony's markers, say), leaving the other ids as they are.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, extra_specials: Sequence[str] = ()) -> None:
         self.pieces: list[bytes] = [bytes([i]) for i in range(256)]
         self.special_ids = {}
         for s in SPECIALS:
@@ -25,18 +26,22 @@ class ByteTokenizer:
         for w in WORDS:
             self.word_ids[w] = len(self.pieces)
             self.pieces.append(w.encode())
+        self.specials = [*SPECIALS, *extra_specials]
+        for s in extra_specials:
+            self.special_ids[s] = len(self.pieces)
+            self.pieces.append(s.encode())
         self.vocab_size = len(self.pieces)
         self.bos_token = None
         self.eos_token = "<|im_end|>"
         self.eos_token_ids = frozenset({self.special_ids["<|im_end|>"], self.special_ids["<|endoftext|>"]})
-        self.special_tokens = frozenset(SPECIALS)
+        self.special_tokens = frozenset(self.specials)
 
     def encode(self, text: str, *, add_special_tokens: bool, parse_special: bool = True) -> list[int]:
         out: list[int] = []
         i = 0
         while i < len(text):
             if parse_special:
-                hit = next((s for s in SPECIALS if text.startswith(s, i)), None)
+                hit = next((s for s in self.specials if text.startswith(s, i)), None)
                 if hit:
                     out.append(self.special_ids[hit])
                     i += len(hit)
@@ -50,8 +55,8 @@ class ByteTokenizer:
             i += 1
         return out
 
-    def decode(self, ids: Sequence[int]) -> str:
-        specials = set(self.special_ids.values())
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        specials = set(self.special_ids.values()) if skip_special_tokens else set()
         return b"".join(self.pieces[t] for t in ids if t not in specials).decode("utf-8", "replace")
 
     def token_bytes(self, token_id: int) -> bytes:

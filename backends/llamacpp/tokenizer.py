@@ -62,7 +62,9 @@ class LlamaCppTokenizer:
             raise RuntimeError(f"tokenization needs {-n} tokens")
         return list(buf[:n])
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if not skip_special_tokens:
+            return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", "replace")
         pieces = self._pieces
         return b"".join(pieces[t] for t in ids).decode("utf-8", "replace")
 

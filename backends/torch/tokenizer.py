@@ -50,8 +50,8 @@ class HFTokenizer:
         tk = self._tk if parse_special else self._plain
         return tk.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tk.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_str(self, token_id: int) -> str:
         return self._tk.id_to_token(token_id) or ""

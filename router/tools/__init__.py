@@ -6,8 +6,9 @@ config can name to the parser classes. A parser is one generation's state: make 
 choice.
 
 The parsers read the markers as text: ``<|python_tag|>`` (Llama) and ``[TOOL_CALLS]`` (Mistral)
-are control tokens, so the text fed to a parser must spell them out (a detokenizer that drops
-control tokens hides Mistral's calls entirely, and Llama's tag-less fallback applies).
+are control tokens, so the text fed to a parser must spell them out. A parser whose format needs
+that says so (``reads_control_tokens``: Mistral's), and the choice's detokenizer keeps control
+tokens; Llama's parser reads the text without them (its tag-less fallback).
 """
 
 from __future__ import annotations

@@ -63,6 +63,8 @@ class ToolParser:
     """
 
     name: ClassVar[str]
+    reads_control_tokens: ClassVar[bool] = False
+    """Whether the format's markers are control tokens, so the text read must spell them out."""
 
     def __init__(self, tools: list[dict]) -> None:
         self.tools = tools

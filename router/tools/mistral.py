@@ -27,6 +27,7 @@ class MistralParser(ToolParser):
     """Content, then ``[TOOL_CALLS]`` and a JSON array of call objects."""
 
     name = "mistral"
+    reads_control_tokens = True  # [TOOL_CALLS]
 
     def __init__(self, tools: list[dict]) -> None:
         super().__init__(tools)

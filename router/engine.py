@@ -100,8 +100,9 @@ class EngineRequest:
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
     constraint: Any = None
-    """A :class:`router.constraints.TokenConstraint`: ask ``allowed()`` before sampling, call
-    ``advance(token)`` after; finish with "stop" once ``done``."""
+    """A :class:`router.constraints.TokenConstraint` (or a thinking model's
+    :class:`router.thinking_gate.AfterReasoning`): ask ``allowed()`` before sampling (None: any
+    token), call ``advance(token)`` after; finish with "stop" once ``done``."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Plugin-defined parameters (``GenerationParams.extras``) for engines that know them."""
     prompt_logprobs: int | None = None

@@ -70,6 +70,8 @@ class HarmonyParser(ReplySplitter):
 
     name: ClassVar[str] = "openai_gptoss"
     reads_control_tokens: ClassVar[bool] = True
+    answer_marker: ClassVar[str] = CHANNEL + "final" + MESSAGE
+    """Where the answer begins: an output constraint (structured outputs) applies after it."""
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__()

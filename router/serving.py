@@ -455,6 +455,8 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     _check_allowed_ids(params, tok)
     constraints = await _constraints(backend, params, params.n)
     thinking = _reasoning_parser(backend, params, prompt)
+    if constraints is not None and thinking is not None:
+        constraints = _after_reasoning(constraints, thinking.func, params, tok, prompt)
     formats = [f for f in (parser, thinking.func if thinking is not None else None) if f is not None]
     if any(f.reads_control_tokens for f in formats):
         params.skip_special_tokens = False  # the format's markers are control tokens
@@ -541,21 +543,49 @@ def _tool_parser(backend: "LocalBackend", params: GenerationParams) -> Any:
 
 def _reasoning_parser(backend: "LocalBackend", params: GenerationParams, prompt: list[int]) -> Any:
     """The model's reasoning parser for this request's choices, a ``partial`` that makes one per
-    choice, or None: the model has none, or an output constraint governs the whole reply (a
-    grammar leaves no room to think first, so its output is content). Harmony is read even then:
-    its markers frame whatever a grammar lets the model write, its calls among them."""
+    choice, or None when the model has none."""
     name = backend.config.reasoning_parser
+    if name is None:
+        return None
     if name == "openai_gptoss":
         from .harmony import HarmonyParser
 
         return partial(HarmonyParser, params.tools)
-    if name is None or params.constraint is not None:
-        return None
-    from .reasoning import PARSERS, prompt_opens_thinking
+    from .reasoning import PARSERS
+
+    return partial(PARSERS[name], _prompt_opens_thinking(backend.engine.tokenizer, prompt))
+
+
+def _prompt_opens_thinking(tok: Tokenizer, prompt: list[int]) -> bool:
+    from .reasoning import prompt_opens_thinking
 
     # The last few tokens are enough to see whether the template ends the prompt with <think>.
-    opens = prompt_opens_thinking(backend.engine.tokenizer.decode(prompt[-8:]))
-    return partial(PARSERS[name], opens)
+    return prompt_opens_thinking(tok.decode(prompt[-8:]))
+
+
+def _after_reasoning(constraints: list[Any], parser: Any, params: GenerationParams, tok: Tokenizer,
+                     prompt: list[int]) -> list[Any]:
+    """The constraints a thinking model's choices get: each begins once the reasoning has ended
+    (router/thinking_gate.py), as vLLM's do. Not harmony's forced call, whose grammar writes the
+    call's own header; nor where a Qwen3 reply would have to open its block with a ``<think>``
+    that is not one token (the grammar then governs from the first token, all of it content)."""
+    from .harmony import HarmonyParser
+    from .reasoning import CLOSE, OPEN
+    from .thinking_gate import AfterReasoning
+
+    opener = None
+    if parser is HarmonyParser:
+        if params.constraint.param == "tool_choice":
+            return constraints
+        end = HarmonyParser.answer_marker
+    else:
+        end = CLOSE
+        if not parser.starts_thinking and not _prompt_opens_thinking(tok, prompt):
+            ids = tok.encode(OPEN, add_special_tokens=False, parse_special=True)
+            if len(ids) != 1:
+                return constraints
+            opener = ids[0]
+    return [AfterReasoning(c, tok.token_bytes, end.encode(), opener) for c in constraints]
 
 
 def _message(content: str, choice: Choice) -> ResponseMessage:

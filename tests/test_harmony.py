@@ -217,6 +217,7 @@ def test_the_grammar_text():
 
 import plugins.reasoning  # noqa: E402
 import plugins.sampling  # noqa: E402
+import plugins.structured_outputs  # noqa: E402
 import plugins.templating  # noqa: E402
 from litestar.testing import TestClient  # noqa: E402
 
@@ -275,7 +276,8 @@ def script(text):
 @pytest.fixture
 def client():
     script(SAID)
-    found = load_plugins(entrypoints=False, extra=[HarmonyPlugin(), plugins.sampling, plugins.templating, plugins.reasoning])
+    found = load_plugins(entrypoints=False, extra=[HarmonyPlugin(), plugins.sampling, plugins.templating,
+                                                   plugins.reasoning, plugins.structured_outputs])
     config = (b'[[models]]\nname="oss"\nbackend="harmony"\nreasoning_parser="openai_gptoss"\ntool_parser="openai"\n'
               b'[[models]]\nname="raw"\nbackend="harmony"\n'
               b'[[models]]\nname="mistral"\nbackend="harmony"\ntool_parser="mistral"\n'
@@ -389,3 +391,21 @@ def test_mistrals_call_marker_is_read_though_it_is_a_control_token(client):
     # ... which the text drops by default
     assert client.post("/v1/chat/completions", json=ask("raw")).json()["choices"][0]["message"]["content"] == \
         '[{"name": "get_time", "arguments": {}}]'
+
+
+def test_a_constraint_begins_with_the_final_message_but_a_forced_call_at_once(client):
+    from router.constraints import TokenConstraint
+    from router.thinking_gate import AfterReasoning
+
+    body = ask("oss", response_format={"type": "json_object"})
+    assert client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == "It is 4."
+    gate = HARMONY.seen[-1].constraint
+    assert isinstance(gate, AfterReasoning)
+    for t in tok.encode(A + "{<|end|><|start|>assistant<|channel|>final", add_special_tokens=False):
+        gate.advance(t)
+    assert gate.reasoning and gate.allowed() is None
+    gate.advance(tok.special_ids["<|message|>"])
+    assert not gate.reasoning and gate.allowed()[ord("{")] and not gate.allowed()[ord("x")]
+    body = ask("oss", tools=TOOLS, tool_choice="required")
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert isinstance(HARMONY.seen[-1].constraint, TokenConstraint)

@@ -114,10 +114,6 @@ def test_the_raw_reply_shows_what_the_call_was_made_of(sdk):
     # The grammar's markers are control tokens, spelled out when asked for; <|return|> ends the
     # reply without being shown, as an end token always does.
     assert forced.choices[0].message.content == "<|channel|>final<|message|>ok"
-    parsed = sdk.chat.completions.create(model="oss", messages=ASK, max_tokens=64, temperature=0, extra_body={
-        "structured_outputs": {"grammar": 'start: <|channel|> "analysis" <|message|> "hm" <|end|> <|start|> "assistant" '
-                                          '<|channel|> "final" <|message|> "ok" <|return|>'}})
-    assert parsed.choices[0].message.content == "ok" and parsed.choices[0].message.model_extra["reasoning"] == "hm"
 
 
 def test_a_reply_without_markers_is_content_as_written(sdk):
@@ -130,10 +126,12 @@ def test_a_reply_without_markers_is_content_as_written(sdk):
     assert written and "<|" not in written
     assert got.choices[0].message.content == written
     assert got.choices[0].message.model_extra["reasoning"] is None
+    # Under a grammar the model reasons freely first: a random one never writes the final
+    # message's header, so nothing is masked, and it writes the same words.
     schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"], "additionalProperties": False}
-    got = sdk.chat.completions.create(model="oss", messages=ASK, max_tokens=24, temperature=0,
+    got = sdk.chat.completions.create(model="oss", messages=ASK, max_tokens=12, temperature=0,
                                       response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
-    assert set(json.loads(got.choices[0].message.content)) == {"n"}
+    assert (got.choices[0].message.content, got.choices[0].finish_reason) == (written, "length")
 
 
 @pytest.mark.parametrize("model", ["smol", "smol-torch"])

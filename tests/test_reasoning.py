@@ -104,6 +104,7 @@ def test_prompt_opens_thinking(tail, opens):
 
 import plugins.reasoning  # noqa: E402
 import plugins.sampling  # noqa: E402
+import plugins.structured_outputs  # noqa: E402
 import plugins.templating  # noqa: E402
 from litestar.testing import TestClient  # noqa: E402
 
@@ -120,6 +121,7 @@ class ThinkingEngine(ScriptedEngine):
     """Templates the last message's reasoning_content too (what Qwen3's template reads)."""
 
     chat_template = "{% for m in messages %}{{ m.content }}{{ m.reasoning_content or '' }}{% endfor %}"
+    capabilities = ScriptedEngine.capabilities | {"structured_outputs"}
     max_model_len = 4096  # room for the tool list the router writes into the prompt
 
 
@@ -143,7 +145,8 @@ class ThinkerPlugin:
 @pytest.fixture
 def client():
     THINKER.script = tok.encode(SAID, add_special_tokens=False) + [EOS]
-    found = load_plugins(entrypoints=False, extra=[ThinkerPlugin(), plugins.sampling, plugins.templating, plugins.reasoning])
+    found = load_plugins(entrypoints=False, extra=[ThinkerPlugin(), plugins.sampling, plugins.templating,
+                                                   plugins.reasoning, plugins.structured_outputs])
     config = b"".join(
         b'[[models]]\nname="%s"\nbackend="thinker"\n%s\n' % (name, line)
         for name, line in ((b"r1", b'reasoning_parser="deepseek_r1"'), (b"q3", b'reasoning_parser="qwen3"'), (b"plain", b""))
@@ -228,3 +231,23 @@ def test_an_assistant_messages_reasoning_reaches_the_template(client):
     r = client.post("/tokenize", json={"model": "r1", "messages": messages, "add_generation_prompt": False})
     assert r.status_code == 200
     assert tok.decode(r.json()["tokens"]) == "hiAR"
+
+
+def test_a_constraint_begins_after_the_reasoning(client):
+    from router.constraints import TokenConstraint
+    from router.thinking_gate import AfterReasoning
+
+    body = ask("r1", structured_outputs={"choice": ["yes", "no"]})
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "hello world", "reasoning": "ab bc"}  # (a script: unmasked)
+    gate = THINKER.seen[-1].constraint
+    assert isinstance(gate, AfterReasoning) and gate.allowed() is None
+    for t in tok.encode("no, </think>", add_special_tokens=False):
+        gate.advance(t)
+    assert not gate.reasoning and gate.allowed()[tok.encode("y", add_special_tokens=False)[0]]
+    # qwen3 with no block in the prompt needs a one-token <think> to open one; this vocabulary
+    # spells it in bytes, so the grammar governs from the first token.
+    assert client.post("/v1/chat/completions", json={**body, "model": "q3"}).status_code == 200
+    assert isinstance(THINKER.seen[-1].constraint, TokenConstraint)
+    assert client.post("/v1/chat/completions", json={**body, "model": "plain"}).status_code == 200
+    assert isinstance(THINKER.seen[-1].constraint, TokenConstraint)

@@ -30,6 +30,9 @@ def sdk(tmp_path_factory):
         + llamacpp_config("raw", extra=f'chat_template = "{template}"')
         + llamacpp_config("q3", extra='reasoning_parser = "qwen3"')
         + torch_config("r1-torch", extra=f'chat_template = "{template}"\nreasoning_parser = "deepseek_r1"')
+        # drafts from the prompt (the few-shot answers repeat), checked against the gate's masks
+        + torch_config("r1-spec", extra=f'chat_template = "{template}"\nreasoning_parser = "deepseek_r1"\n'
+                       'speculative_config = { method = "ngram", num_speculative_tokens = 4, prompt_lookup_min = 2 }')
     )
     router = RouterProcess(config, tmp)
     yield openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=300)
@@ -76,12 +79,40 @@ def test_include_reasoning_false(sdk):
     assert stream_parts(stream)[0] == ""
 
 
-def test_a_constrained_reply_is_content(sdk):
-    # The grammar governs the reply from its first token, leaving no room to think first.
+# Two answered questions teach the model the shape: reasoning, </think>, a one-word answer.
+SHOTS = [
+    {"role": "user", "content": "Is 4 a prime number?"},
+    {"role": "assistant", "content": "<think>\n4 is 2 times 2.\n</think>\nno"},
+    {"role": "user", "content": "Is 5 a prime number?"},
+    {"role": "assistant", "content": "<think>\n5 has no divisors but 1 and 5.\n</think>\nyes"},
+    {"role": "user", "content": "Is 9 a prime number?"},
+]
+
+
+@pytest.mark.parametrize("model", ["r1", "r1-torch", "r1-spec"])
+def test_a_constrained_reply_thinks_first(sdk, model):
+    written = sdk.chat.completions.create(model="raw", messages=SHOTS, max_tokens=24, temperature=0).choices[0].message.content
+    reasoning, answer = expected_split(written)  # seen: "9 is 3 times 3.", "no"
+    assert reasoning and answer == "no"
+    # The reasoning is no choice's text: the grammar began after </think>, and made its answer.
+    choice = {"structured_outputs": {"choice": ["maybe", "never"]}}
+    got = sdk.chat.completions.create(model=model, messages=SHOTS, max_tokens=24, temperature=0, extra_body=choice)
+    message = got.choices[0].message
+    assert (message.model_extra["reasoning"], message.content) == (reasoning, "never")
+    assert got.choices[0].finish_reason == "stop"
+    stream = sdk.chat.completions.create(model=model, messages=SHOTS, max_tokens=24, temperature=0, stream=True,
+                                         extra_body=choice)
+    assert stream_parts(stream) == (reasoning, "never")
+
+
+def test_a_constrained_reply_cut_off_while_thinking_has_no_content(sdk):
+    raw = sdk.chat.completions.create(model="raw", messages=ASK, max_tokens=8, temperature=0)
     got = sdk.chat.completions.create(model="r1", messages=ASK, max_tokens=8, temperature=0,
                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-    assert got.choices[0].message.content in ("yes", "no")
-    assert got.choices[0].message.model_extra["reasoning"] is None
+    assert got.choices[0].finish_reason == "length"
+    # No token of the reasoning was masked: it is what the same greedy request writes unconstrained.
+    assert (got.choices[0].message.model_extra["reasoning"], got.choices[0].message.content) == \
+        (expected_split(raw.choices[0].message.content)[0], None)
 
 
 def test_qwen3_without_a_block_is_all_content(sdk):

@@ -173,7 +173,9 @@ class ModelRunner:
             seq.sampling_state = torch.Generator(device=self.device).manual_seed(params.seed % (2**63))
         allowed = [None] * (len(w.draft) + 1)
         if req.constraint is not None:  # the grammar's mask at each row (the draft is one it accepts)
-            allowed = [torch.from_numpy(mask) for mask in req.constraint.allowed_along(w.draft)]
+            # (None: any token, as while a thinking model reasons before its grammar begins)
+            masks = req.constraint.allowed_along(w.draft)
+            allowed = [None if mask is None else torch.from_numpy(mask) for mask in masks]
         elif params.allowed_token_ids is not None:
             allowed = [self._allowed_mask(params.allowed_token_ids)] * len(allowed)
         output, prompt = seq.output_ids, seq.prompt_ids

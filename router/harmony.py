@@ -84,6 +84,12 @@ class HarmonyParser(ReplySplitter):
         self._args: list[list[str]] = []
 
     @property
+    def thinking(self) -> bool:
+        if self._state == _HEADER:  # an analysis message's header (held until <|message|>)
+            return self._destination(self._buf) == "reasoning"
+        return self._state == _BODY and self._to == "reasoning"
+
+    @property
     def calls(self) -> list[ToolCall]:
         """Every call started so far, its arguments the text its message had."""
         return [ToolCall(c.id, c.name, "".join(parts)) for c, parts in zip(self._calls, self._args)]

@@ -245,8 +245,10 @@ class PromptTokensDetails(Struct):
 
 
 class CompletionTokensDetails(Struct):
-    """Predicted Outputs: the prediction's tokens the model kept and refused as drafts."""
+    """A thinking model's reasoning tokens (models with a ``reasoning_parser``); Predicted
+    Outputs: the prediction's tokens the model kept and refused as drafts."""
 
+    reasoning_tokens: int = 0
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
 

@@ -82,6 +82,11 @@ class ReplySplitter:
             self._buf = ""
         return out
 
+    @property
+    def thinking(self) -> bool:
+        """The text read so far ends inside reasoning (usage counts the tokens read then)."""
+        raise NotImplementedError
+
     def _feed(self, out: ReasoningDelta, final: bool) -> None:
         raise NotImplementedError
 
@@ -103,6 +108,10 @@ class ReasoningParser(ReplySplitter):
         self._mode = "start"
         self._otherwise = "reasoning" if prompt_opens or self.starts_thinking else "content"
         self._trim = False  # whitespace at the start of the part being read is layout
+
+    @property
+    def thinking(self) -> bool:
+        return self._mode == "reasoning" or (self._mode == "start" and self._otherwise == "reasoning")
 
     def _feed(self, out: ReasoningDelta, final: bool) -> None:
         while True:

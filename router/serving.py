@@ -88,16 +88,23 @@ class Choice:
     show_reasoning: bool = True  # the request's include_reasoning
     reasoning_delta: str = ""
     """The reasoning text the last step gave, to send now (empty when not shown)."""
+    reasoning_tokens: int = 0  # usage's completion_tokens_details.reasoning_tokens
     content: list[str] = field(default_factory=list)
     """Everything sent as message content (text outside tool calls and reasoning), in order."""
 
     def absorb(self, step: EngineStep) -> tuple[str, list[Any]]:
         """Take one engine step; return the content text and tool-call deltas to send now (and
         keep its reasoning text in :attr:`reasoning_delta`)."""
+        had = len(self.token_ids)
         text = self._text(step)
         calls: list[Any] = []
         if self.reasoning is not None:
+            # A step's tokens are reasoning when it began or ended inside the reasoning (so the
+            # markers that open and close it count too).
+            thinking = self.reasoning.thinking
             split = self.reasoning.push(text)
+            if thinking or self.reasoning.thinking:
+                self.reasoning_tokens += len(self.token_ids) - had
             if self.finished:
                 end = self.reasoning.finish()
                 split.reasoning, split.content = split.reasoning + end.reasoning, split.content + end.content
@@ -344,8 +351,9 @@ class Generation:
             total_tokens=prompt_tokens + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
-        if self.prediction is not None:
+        if self.prediction is not None or any(c.reasoning is not None for c in self.choices):
             usage.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=sum(c.reasoning_tokens for c in self.choices),
                 accepted_prediction_tokens=sum(c.prediction_tokens[0] for c in self.choices),
                 rejected_prediction_tokens=sum(c.prediction_tokens[1] for c in self.choices),
             )

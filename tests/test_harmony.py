@@ -409,3 +409,13 @@ def test_a_constraint_begins_with_the_final_message_but_a_forced_call_at_once(cl
     body = ask("oss", tools=TOOLS, tool_choice="required")
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     assert isinstance(HARMONY.seen[-1].constraint, TokenConstraint)
+
+
+def test_usage_counts_the_analysis_tokens(client):
+    def n(text):
+        return len(tok.encode(text, add_special_tokens=False))
+
+    usage = client.post("/v1/chat/completions", json=ask("oss")).json()["usage"]
+    reasoning = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert n("Need to think.") <= reasoning <= n(A + "Need to think.<|end|>")
+    assert usage["completion_tokens"] - reasoning >= n("It is 4.")

@@ -251,3 +251,21 @@ def test_a_constraint_begins_after_the_reasoning(client):
     assert isinstance(THINKER.seen[-1].constraint, TokenConstraint)
     assert client.post("/v1/chat/completions", json={**body, "model": "plain"}).status_code == 200
     assert isinstance(THINKER.seen[-1].constraint, TokenConstraint)
+
+
+def test_usage_counts_the_reasoning_tokens(client):
+    def n(text):
+        return len(tok.encode(text, add_special_tokens=False))
+
+    usage = client.post("/v1/chat/completions", json=ask("r1")).json()["usage"]
+    reasoning = usage["completion_tokens_details"]["reasoning_tokens"]
+    # the reasoning's tokens, and the markers' at most; the answer's are not
+    assert n("ab bc") <= reasoning <= n("<think>\nab bc\n</think>")
+    assert usage["completion_tokens"] - reasoning >= n("\n\nhello world")
+    r = client.post("/v1/chat/completions", json={**ask("r1"), "stream": True, "stream_options": {"include_usage": True}})
+    assert parse_events(r.content)[-1]["usage"] == usage
+    # a model without a parser has no such detail; a reply without reasoning has none
+    assert "completion_tokens_details" not in client.post("/v1/chat/completions", json=ask("plain")).json()["usage"]
+    THINKER.script = tok.encode("hello world", add_special_tokens=False) + [EOS]
+    usage = client.post("/v1/chat/completions", json=ask("q3")).json()["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 0

@@ -100,6 +100,8 @@ def test_a_constrained_reply_thinks_first(sdk, model):
     message = got.choices[0].message
     assert (message.model_extra["reasoning"], message.content) == (reasoning, "never")
     assert got.choices[0].finish_reason == "stop"
+    # usage: the reasoning's tokens (with </think>'s), then the answer's one or two and EOS
+    assert 5 <= got.usage.completion_tokens_details.reasoning_tokens <= got.usage.completion_tokens - 2
     stream = sdk.chat.completions.create(model=model, messages=SHOTS, max_tokens=24, temperature=0, stream=True,
                                          extra_body=choice)
     assert stream_parts(stream) == (reasoning, "never")

@@ -19,11 +19,13 @@ from .protocol import AssistantMessage, Message, TextPart
 from .templates import ChatTemplate, RenderedChat
 
 
-def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
+def message_dicts(messages: list[Message], null_content: bool = True) -> list[dict[str, Any]]:
     """Messages as the plain dicts Hugging Face templates expect.
 
     Text parts are joined into one string; tool-call arguments are handed over as objects
-    (templates dump them with ``tojson``), as vLLM does.
+    (templates dump them with ``tojson``), as vLLM does. An assistant tool-call message without
+    content has ``content: None``, or ``""`` without ``null_content`` (for templates that fail on
+    None: :attr:`ChatTemplate.requires_non_null_content`).
     """
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
@@ -40,7 +42,7 @@ def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
                 texts.append(part.text)
             d["content"] = "\n".join(texts)
         elif content is None:
-            d["content"] = "" if not getattr(message, "tool_calls", None) else None
+            d["content"] = None if null_content and getattr(message, "tool_calls", None) else ""
         if isinstance(message, AssistantMessage) and (message.reasoning or message.reasoning_content):
             # The names templates read: Qwen3's reasoning_content, gpt-oss's thinking.
             d["reasoning_content"] = message.reasoning_content or message.reasoning
@@ -124,7 +126,7 @@ def build_chat_prompt(
             "`chat_template` for it in router.toml.",
             param="messages",
         )
-    dicts = message_dicts(messages)
+    dicts = message_dicts(messages, not template.requires_non_null_content)
     if tools and tool_format is not None:
         from .tools.inject import inject, template_knows_tools
 

@@ -115,6 +115,29 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
+        self._non_null_content: bool | None = None
+
+    @property
+    def requires_non_null_content(self) -> bool:
+        """Whether the template fails on an assistant tool-call message whose content is null
+        (what OpenAI clients send back), as gpt-oss's does (``"..." in message.content``). Found
+        once, by rendering such a message (llama.cpp's minja probes templates the same way);
+        such a template is then given ``""`` instead."""
+        if self._non_null_content is None:
+            call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {}}}
+            probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "y"}]
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            self._non_null_content = False
+            try:
+                self.render(probe, tools=tools)
+            except BadRequest:
+                try:
+                    self.render([{**m, "content": m["content"] or ""} for m in probe], tools=tools)
+                    self._non_null_content = True  # it is the null that fails, not the rest
+                except BadRequest:
+                    pass
+        return self._non_null_content
 
     @classmethod
     def from_file(cls, path: str | Path, **tokens: str | None) -> "ChatTemplate":

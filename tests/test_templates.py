@@ -185,3 +185,38 @@ def test_hf_folder_templates(tmp_path):
     assert hf_chat_template(tmp_path) == "D" and hf_chat_template(tmp_path, with_tools=True) == "T"
     (tmp_path / "chat_template.jinja").write_text("J")
     assert hf_chat_template(tmp_path) == "J"
+
+
+# gpt-oss's template tests for its own markers in every assistant message's content, which fails
+# on the null content of a tool-call message (what the openai SDK sends back).
+MARKER_CHECK = (
+    "{% for m in messages %}{% if 'content' in m and '<|channel|>' in m.content %}"
+    "{{ raise_exception('no markers in content') }}{% endif %}"
+    "{{ m.role }}:{{ m.content }}{% if m.tool_calls %}[{{ m.tool_calls[0].function.name }}]{% endif %};{% endfor %}"
+)
+NONE_AWARE = "{% for m in messages %}{{ m.role }}:{{ 'NULL' if m.content is none else m.content }};{% endfor %}"
+TOOL_TURN = [
+    UserMessage(content="weather?"),
+    AssistantMessage(tool_calls=[ToolCall(id="c1", function=FunctionCall(name="get_weather", arguments="{}"))]),
+]
+
+
+def rendered(template, msgs):
+    ids = build_chat_prompt(ChatTemplate(template), tok, msgs, tools=None, add_generation_prompt=False,
+                            continue_final_message=False, template_kwargs=None)
+    return tok.decode(ids)
+
+
+def test_a_template_that_fails_on_null_content_gets_an_empty_string():
+    assert ChatTemplate(MARKER_CHECK).requires_non_null_content
+    assert rendered(MARKER_CHECK, TOOL_TURN) == "user:weather?;assistant:[get_weather];"
+    with pytest.raises(BadRequest, match="no markers"):  # the template's own checks still apply
+        rendered(MARKER_CHECK, [UserMessage(content="a <|channel|> b")])
+
+
+@pytest.mark.parametrize("template", [NONE_AWARE, CHATML.replace("message['content']", "(message['content'] or '')"),
+                                      "{{ raise_exception('never') }}"])
+def test_other_templates_keep_the_null(template):
+    assert not ChatTemplate(template).requires_non_null_content
+    if template == NONE_AWARE:
+        assert rendered(template, TOOL_TURN) == "user:weather?;assistant:NULL;"

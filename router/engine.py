@@ -61,6 +61,7 @@ LOCAL_ENGINE_CAPABILITIES = frozenset(
         "prompt_logprobs",
         "allowed_token_ids",
         "skip_special_tokens",
+        "cache_salt",
     }
 )
 
@@ -111,6 +112,9 @@ class EngineRequest:
     raw model logprobs, before any sampling setting. None: off."""
     adapter: str | None = None
     """The LoRA adapter to generate with (a name the engine serves); None: the base model."""
+    cache_salt: str | None = None
+    """Capability "cache_salt": reuse and leave prefix-cache entries only for requests with the
+    same salt (None: only for requests without one)."""
     prediction: list[int] | None = None
     """Token ids the output is expected to mostly repeat (capability "prediction", OpenAI's
     Predicted Outputs): an engine that verifies drafts drafts from them; the output is what it

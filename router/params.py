@@ -29,6 +29,8 @@ class GenerationParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     priority: int = 0
+    cache_salt: str | None = None
+    """Share prefix-cache entries only with requests carrying the same salt (plugin cache_salt)."""
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False

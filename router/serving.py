@@ -240,6 +240,7 @@ class Generation:
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
             priority=params.priority,
+            cache_salt=params.cache_salt,
             constraint=self.constraints[choice.index] if self.constraints else None,
             extras=params.extras,
             adapter=params.adapter,

@@ -199,6 +199,26 @@ def test_prefix_cache_reports_cached_tokens(base_url, model):
     assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
 
 
+def test_a_cache_salt_keeps_prefix_cache_entries_apart(base_url, model):
+    system = "You keep other people's secrets. " * 20
+    body = {"model": model, "max_tokens": 3, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]}
+
+    def cached(**extra):
+        r = post(base_url, "/v1/chat/completions", {**body, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.json()["choices"][0]["message"]["content"]
+
+    _, said = cached()
+    assert cached()[0] > 100
+    salt = "s3cr3t-" + model
+    assert cached(cache_salt=salt) == (0, said)  # what an unsalted request left is not found...
+    assert cached(cache_salt=salt)[0] > 100  # ... the salt's own entries are
+    assert cached(cache_salt="other")[0] == 0
+    r = post(base_url, "/v1/chat/completions", {**body, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
 def test_continue_final_message(base_url, model):
     body = {"model": model, "max_tokens": 5, "temperature": 0, "add_generation_prompt": False,
             "continue_final_message": True, "return_token_ids": True,

@@ -31,9 +31,9 @@ def engine_for(path, **options):
     return build_engine(cfg, path)
 
 
-async def generate(engine, prompt, n, adapter=None, **sampling):
+async def generate(engine, prompt, n, adapter=None, cache_salt=None, **sampling):
     req = EngineRequest("t", prompt, SamplingParams(**{"temperature": 0.0, **sampling}), n, ignore_eos=True,
-                        adapter=adapter)
+                        adapter=adapter, cache_salt=cache_salt)
     out, cached = [], None
     async for step in engine.generate(req):
         out += step.token_ids
@@ -177,6 +177,20 @@ def test_prefix_cache_hits_and_same_output(smol):
     finally:
         run(fresh.stop())
     assert plain_cached == 0 and plain_out == cached_out
+
+
+def test_a_cache_salt_shares_prefix_cache_entries_only_with_the_same_salt(smol):
+    system = "<|im_start|>system\n" + "You answer questions about rivers and their deltas. " * 20 + "<|im_end|>\n"
+    prompt = smol.tokenizer.encode(system + "<|im_start|>user\nHow long is the Nile?<|im_end|>\n", add_special_tokens=False)
+    first, none_first = run(generate(smol, prompt, 6))
+    got = {}
+    for step, salt in enumerate([None, "a", "a", "b", None, "b"]):
+        out, got[step] = run(generate(smol, prompt, 6, cache_salt=salt))
+        assert out == first
+    # unsalted reuses unsalted; "a" finds nothing at first, then its own; "b" the same; the
+    # unsalted entries are still there for unsalted requests
+    assert none_first == 0 and got[1] == 0 and got[3] == 0
+    assert min(got[0], got[2], got[4], got[5]) >= 100
 
 
 def test_preemption_under_a_tiny_kv_budget_keeps_outputs_correct(smol, smol_ids):

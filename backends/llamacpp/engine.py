@@ -75,6 +75,7 @@ class LlamaCppEngine:
         self.capabilities = LOCAL_ENGINE_CAPABILITIES
         self._n_vocab = self._llm.n_vocab()
         self._cached: list[int] = []  # tokens whose KV is in the context, in order
+        self._salt: str | None = None  # the cache_salt of the request that left them
         self._heap: list[tuple[int, float, int, _Job]] = []
         self._order = itertools.count()
         self._cv = threading.Condition()
@@ -194,8 +195,11 @@ class LlamaCppEngine:
             scores.append(token_logprobs(row[:vocab], target, k, rank=True))
         return scores
 
-    def _reusable(self, prompt: list[int]) -> int:
-        """How many leading prompt tokens' KV to keep from the request before (see ``_run``)."""
+    def _reusable(self, prompt: list[int], salt: str | None) -> int:
+        """How many leading prompt tokens' KV to keep from the request before (see ``_run``):
+        none for a request with another cache_salt than that request's."""
+        if salt != self._salt:
+            return 0
         keep = 0
         for a, b in zip(self._cached, prompt):
             if a != b:
@@ -217,7 +221,8 @@ class LlamaCppEngine:
         # Prompt logprobs need a logits row at every prompt position, so such a request reuses
         # nothing; its batches are cut the same way, so it samples what it would without them.
         scored = req.prompt_logprobs is not None
-        keep = 0 if scored else self._reusable(prompt)
+        keep = 0 if scored else self._reusable(prompt, req.cache_salt)
+        self._salt = req.cache_salt
         if not self._ctx.kv_cache_seq_rm(-1, keep, -1):
             keep = 0
             self._ctx.kv_cache_seq_rm(-1, 0, -1)

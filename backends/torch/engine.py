@@ -252,6 +252,9 @@ class TorchEngine:
                 if not adapter:
                     raise UnknownAdapter(request.adapter)
                 root = self.adapters.roots[adapter]
+            if request.cache_salt is not None:
+                # A salted chain starts elsewhere: its blocks match only the same salt's.
+                root = hash((root, "cache_salt", request.cache_salt))
             seq = Sequence(request, queue.put_nowait, self.options.block_size, adapter, root)
             seq.loop = loop
             self._inbox.append(seq)

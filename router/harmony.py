@@ -175,10 +175,12 @@ class HarmonyParser(ReplySplitter):
 
     @classmethod
     def grammar(cls, tools: list[dict], choice: str | None, parallel: bool) -> str:
-        """A Lark grammar for llguidance forcing one call in harmony's shape, as gpt-oss's template
-        writes calls in the history: the header's markers as the control tokens themselves (a
-        ``<|name|>`` outside quotes), the arguments valid JSON for the tool. One call only, even
-        with ``parallel``: ``<|call|>`` ends the generation. ValueError on an unknown choice."""
+        """A Lark grammar for llguidance forcing one call in harmony's shape, as OpenAI's harmony
+        guide shows the model writing one (the recipient in the channel's part; gpt-oss's
+        template puts it in the role's part of calls in the history, which the parser reads
+        too): the markers as the control tokens themselves (a ``<|name|>`` outside quotes), the
+        arguments valid JSON for the tool. One call only, even with ``parallel``: ``<|call|>``
+        ends the generation. ValueError on an unknown choice."""
         chosen = chosen_tools(tools, choice)
         rules = ["start: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
         for i, tool in enumerate(chosen):

@@ -2,7 +2,7 @@
 
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``prompt_logprobs``,
-``allowed_token_ids`` and ``skip_special_tokens``. Each one the request actually uses is declared as a capability the model
+``allowed_token_ids``, ``skip_special_tokens`` and ``return_tokens_as_token_ids``. Each one the request actually uses is declared as a capability the model
 must have, so a backend that cannot honour it answers 400 instead of ignoring it.
 """
 
@@ -42,6 +42,9 @@ def request_fields() -> list[RequestField]:
                                  "likely alternatives (not with stream)."),
         RequestField("skip_special_tokens", bool | None, None,
                      description="Leave control tokens out of the text (default true); false spells them out."),
+        RequestField("return_tokens_as_token_ids", bool | None, None,
+                     description="Name each token in logprobs `token_id:<id>` (tokens whose text is not "
+                                 "unique or not whole UTF-8 can be told apart)."),
     ]
 
 
@@ -70,6 +73,8 @@ def prepare_request(request: Any, model: Any, params: Any, endpoint: str) -> Non
         params.include_stop_str_in_output = True
     if request.return_token_ids:
         params.return_token_ids = True
+    if request.return_tokens_as_token_ids:
+        params.return_tokens_as_token_ids = True
     if request.skip_special_tokens is False:
         params.skip_special_tokens = False
         params.require("skip_special_tokens", "skip_special_tokens")

@@ -43,6 +43,8 @@ class GenerationParams:
     """Return vLLM's ``prompt_logprobs`` field with this many alternatives per token (asked for
     by that extra, or by completions' ``echo`` with ``logprobs``, as vLLM does)."""
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    """Name each token in logprobs ``token_id:<id>`` instead of by its text."""
     skip_special_tokens: bool = True
     """Leave control tokens out of the text (false: spell them out, ``<|im_end|>``). A format
     whose markers are control tokens (harmony, Mistral's calls) keeps them whatever this says."""

@@ -490,7 +490,9 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         ChatChoice(
             index=c.index,
             message=_message(echo + c.text, c),
-            logprobs=_chat_logprobs(tok, c.logprobs) if params.sampling.logprobs is not None else None,
+            logprobs=_chat_logprobs(tok, c.logprobs, params.return_tokens_as_token_ids)
+            if params.sampling.logprobs is not None
+            else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             **({"token_ids": c.token_ids} if params.return_token_ids else {}),
@@ -676,7 +678,7 @@ async def _chat_stream(
                     ChunkChoice(
                         index=c.index,
                         delta=delta,
-                        logprobs=_chat_logprobs(tok, entries) if want_logprobs else None,
+                        logprobs=_chat_logprobs(tok, entries, params.return_tokens_as_token_ids) if want_logprobs else None,
                         finish_reason=c.finish_reason,
                         **extra,
                     )
@@ -703,16 +705,24 @@ def _clamp(lp: float) -> float:
     return lp if lp > _LOGPROB_FLOOR else _LOGPROB_FLOOR
 
 
-def _chat_logprobs(tok: Tokenizer, entries: Sequence[tuple[int, Any]] | None) -> ChoiceLogprobs:
+def _chat_logprobs(tok: Tokenizer, entries: Sequence[tuple[int, Any]] | None, as_ids: bool = False) -> ChoiceLogprobs:
+    """``logprobs.content``; with ``as_ids`` (vLLM's ``return_tokens_as_token_ids``) each token
+    named ``token_id:<id>``, its ``bytes`` still the token's own."""
     content = []
     for token_id, lp in entries or ():
         b = tok.token_bytes(token_id)
         top = []
         for alt_id, alt_lp in lp.top:
             ab = tok.token_bytes(alt_id)
-            top.append(TopLogprob(ab.decode("utf-8", "replace"), _clamp(alt_lp), list(ab)))
-        content.append(TokenLogprob(b.decode("utf-8", "replace"), _clamp(lp.logprob), list(b), top))
+            top.append(TopLogprob(_name(alt_id, ab, as_ids), _clamp(alt_lp), list(ab)))
+        content.append(TokenLogprob(_name(token_id, b, as_ids), _clamp(lp.logprob), list(b), top))
     return ChoiceLogprobs(content=content)
+
+
+def _name(token_id: int, data: bytes, as_ids: bool) -> str:
+    """How logprobs name a token: its text (a partial UTF-8 character as U+FFFD), or with
+    ``as_ids`` ``token_id:<id>``, which no two tokens share."""
+    return f"token_id:{token_id}" if as_ids else data.decode("utf-8", "replace")
 
 
 # --- completions ------------------------------------------------------------------------------
@@ -767,13 +777,16 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         echo = echoes[c.prompt_index]
         logprobs = None
         if params.sampling.logprobs is not None:
+            as_ids = params.return_tokens_as_token_ids
             if _lists_prompt(params):
+                prompt_ids = gen.prompts[c.prompt_index]
                 prompt_lp = _prompt_logprobs(
-                    tok, gen.prompts[c.prompt_index], gen.prompt_scores(c.prompt_index), params.sampling.logprobs
+                    tok, prompt_ids, gen.prompt_scores(c.prompt_index), params.sampling.logprobs, as_ids
                 )
-                logprobs = _joined(prompt_lp, _completion_logprobs(tok, c.logprobs, _end(prompt_lp)))
+                generated = _completion_logprobs(tok, c.logprobs, _text_length(tok, prompt_ids), as_ids=as_ids)
+                logprobs = _joined(prompt_lp, generated)
             else:
-                logprobs = _completion_logprobs(tok, c.logprobs, len(echo))
+                logprobs = _completion_logprobs(tok, c.logprobs, len(echo), as_ids=as_ids)
         choices.append(
             CompletionChoice(
                 index=c.index,
@@ -829,14 +842,15 @@ async def _completion_stream(
                 unechoed.discard(c.index)
                 text = echoes[c.prompt_index] + text
                 prompt = _prompt_logprobs(
-                    tok, gen.prompts[c.prompt_index], gen.prompt_scores(c.prompt_index), params.sampling.logprobs
+                    tok, gen.prompts[c.prompt_index], gen.prompt_scores(c.prompt_index), params.sampling.logprobs,
+                    params.return_tokens_as_token_ids,
                 )
-                offsets[c.index] = _end(prompt)
+                offsets[c.index] = _text_length(tok, gen.prompts[c.prompt_index])
             logprobs = None
             if want_logprobs:
                 entries = c.take_logprobs()
-                logprobs = _completion_logprobs(tok, entries, offsets[c.index])
-                offsets[c.index] += sum(len(t) for t in logprobs.tokens)
+                logprobs = _completion_logprobs(tok, entries, offsets[c.index], as_ids=params.return_tokens_as_token_ids)
+                offsets[c.index] += _text_length(tok, [token_id for token_id, _ in entries])
             if prompt is not None:
                 logprobs = _joined(prompt, logprobs) if logprobs is not None else prompt
             extra: dict[str, Any] = {}
@@ -872,36 +886,39 @@ async def _completion_stream(
 
 
 def _completion_logprobs(
-    tok: Tokenizer, entries: Sequence[tuple[int, Any]], offset: int, k: int | None = None
+    tok: Tokenizer, entries: Sequence[tuple[int, Any]], offset: int, k: int | None = None, as_ids: bool = False
 ) -> CompletionLogprobs:
     """The legacy logprobs object. ``top_logprobs`` holds the token itself and the ``k`` most
     likely ones (up to k + 1 entries: OpenAI's "always the sampled token", as vLLM does; ``k``
-    None: every alternative the entry has)."""
+    None: every alternative the entry has). With ``as_ids`` tokens are named ``token_id:<id>``;
+    offsets still count the tokens' texts."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
     offsets: list[int] = []
     for token_id, lp in entries:
-        text = _token_text(tok, token_id)
+        data = tok.token_bytes(token_id)
+        name = _name(token_id, data, as_ids)
         offsets.append(offset)
-        offset += len(text)
-        tokens.append(text)
+        offset += len(data.decode("utf-8", "replace"))
+        tokens.append(name)
         token_logprobs.append(_clamp(lp.logprob))
-        alts: dict[str, float] = {text: _clamp(lp.logprob)}
+        alts: dict[str, float] = {name: _clamp(lp.logprob)}
         for alt_id, alt_lp in lp.top[:k]:
-            alts.setdefault(_token_text(tok, alt_id), _clamp(alt_lp))
+            alts.setdefault(_name(alt_id, tok.token_bytes(alt_id), as_ids), _clamp(alt_lp))
         top.append(alts)
     return CompletionLogprobs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top)
 
 
 def _prompt_logprobs(
-    tok: Tokenizer, prompt_ids: list[int], entries: Sequence[Any] | None, k: int | None
+    tok: Tokenizer, prompt_ids: list[int], entries: Sequence[Any] | None, k: int | None, as_ids: bool = False
 ) -> CompletionLogprobs:
     """``echo`` with ``logprobs``: an entry per prompt token, offsets from the start of the
     echoed text; the first token's logprob and alternatives are null (nothing precedes it)."""
     first = _token_text(tok, prompt_ids[0])
-    rest = _completion_logprobs(tok, list(zip(prompt_ids[1:], entries or ())), len(first), k)
-    return _joined(CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None]), rest)
+    rest = _completion_logprobs(tok, list(zip(prompt_ids[1:], entries or ())), len(first), k, as_ids)
+    name = _name(prompt_ids[0], tok.token_bytes(prompt_ids[0]), as_ids)
+    return _joined(CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[name], top_logprobs=[None]), rest)
 
 
 def _prompt_logprob_entries(
@@ -928,11 +945,11 @@ def _lists_prompt(params: GenerationParams) -> bool:
     return params.echo and params.sampling.logprobs is not None
 
 
-def _end(lp: CompletionLogprobs) -> int:
-    """The offset after the last token: where the next token's text starts. With the prompt's
-    tokens listed, offsets count token texts (a BOS token's included), as vLLM counts them, so
-    they can run past the echoed prompt string."""
-    return lp.text_offset[-1] + len(lp.tokens[-1])
+def _text_length(tok: Tokenizer, ids: Sequence[int]) -> int:
+    """How far the offsets move over these tokens: where the next token's text starts. With the
+    prompt's tokens listed, offsets count token texts (a BOS token's included), as vLLM counts
+    them, so they can run past the echoed prompt string."""
+    return sum(len(_token_text(tok, t)) for t in ids)
 
 
 def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:

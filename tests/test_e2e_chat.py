@@ -199,6 +199,21 @@ def test_prefix_cache_reports_cached_tokens(base_url, model):
     assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
 
 
+def test_return_tokens_as_token_ids_in_chat_logprobs(base_url, model):
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2, "return_token_ids": True}
+    plain = post(base_url, "/v1/chat/completions", body).json()["choices"][0]
+    named = post(base_url, "/v1/chat/completions", {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    content = named["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in named["token_ids"]]
+    # the bytes are still the tokens' own, and spell the reply
+    assert [e["bytes"] for e in content] == [e["bytes"] for e in plain["logprobs"]["content"]]
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+    r, raw = stream_raw(base_url, "/v1/chat/completions", {**body, "return_tokens_as_token_ids": True, "stream": True})
+    streamed = [e for ev in parse_events(raw) for ch in ev["choices"] for e in (ch.get("logprobs") or {}).get("content") or []]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+
+
 def test_a_cache_salt_keeps_prefix_cache_entries_apart(base_url, model):
     system = "You keep other people's secrets. " * 20
     body = {"model": model, "max_tokens": 3, "temperature": 0,

@@ -106,6 +106,26 @@ def test_echo_with_logprobs_scores_the_prompt(base_url, model):
         assert [x for ch in chunks for x in ch["logprobs"][key]] == lp[key]
 
 
+def test_return_tokens_as_token_ids_names_tokens_by_id(base_url, model):
+    prompt = "One, two, three, four,"
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2,
+            "return_token_ids": True}
+    plain = post(base_url, body).json()["choices"][0]
+    r = post(base_url, {**body, "return_tokens_as_token_ids": True}).json()
+    named = r["choices"][0]
+    ids = named["prompt_token_ids"] + named["token_ids"]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert named["text"] == plain["text"]
+    # offsets still count the tokens' texts; the same logprobs, keyed by id
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    for top in named["logprobs"]["top_logprobs"][1:]:
+        assert all(k.startswith("token_id:") and k.removeprefix("token_id:").isdigit() for k in top)
+    chunks = [ch for e in stream_events(base_url, {**body, "return_tokens_as_token_ids": True}) for ch in e["choices"]]
+    for key in ("tokens", "text_offset", "top_logprobs"):
+        assert [x for ch in chunks for x in ch["logprobs"][key]] == named["logprobs"][key]
+
+
 def test_echo_without_logprobs_and_token_prompts(base_url, model):
     c = post(base_url, {"model": model, "prompt": "One, two,", "max_tokens": 4, "temperature": 0,
                         "echo": True}).json()["choices"][0]

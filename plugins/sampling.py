@@ -2,7 +2,7 @@
 
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``prompt_logprobs``,
-``allowed_token_ids``, ``skip_special_tokens`` and ``return_tokens_as_token_ids``. Each one the request actually uses is declared as a capability the model
+``allowed_token_ids``, ``bad_words``, ``skip_special_tokens`` and ``return_tokens_as_token_ids``. Each one the request actually uses is declared as a capability the model
 must have, so a backend that cannot honour it answers 400 instead of ignoring it.
 """
 
@@ -37,6 +37,8 @@ def request_fields() -> list[RequestField]:
                      description="Also return prompt_token_ids and each choice's token_ids."),
         RequestField("allowed_token_ids", list[Annotated[int, Meta(ge=0)]] | None, None,
                      description="Sample only among these token ids."),
+        RequestField("bad_words", list[str] | None, None,
+                     description="Words the reply may not contain, as the tokenizer spells them."),
         RequestField("prompt_logprobs", Annotated[int, Meta(ge=0, le=20)] | None, None,
                      description="Also return each prompt token's logprob, rank and this many most "
                                  "likely alternatives (not with stream)."),
@@ -78,6 +80,9 @@ def prepare_request(request: Any, model: Any, params: Any, endpoint: str) -> Non
     if request.skip_special_tokens is False:
         params.skip_special_tokens = False
         params.require("skip_special_tokens", "skip_special_tokens")
+    if request.bad_words:
+        params.bad_words = list(request.bad_words)
+        params.require("bad_words", "bad_words")
     if request.allowed_token_ids is not None:
         if not request.allowed_token_ids:
             raise BadRequest("allowed_token_ids must name at least one token id.", param="allowed_token_ids")

@@ -62,6 +62,7 @@ LOCAL_ENGINE_CAPABILITIES = frozenset(
         "allowed_token_ids",
         "skip_special_tokens",
         "cache_salt",
+        "bad_words",
     }
 )
 
@@ -112,6 +113,9 @@ class EngineRequest:
     raw model logprobs, before any sampling setting. None: off."""
     adapter: str | None = None
     """The LoRA adapter to generate with (a name the engine serves); None: the base model."""
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    """Capability "bad_words": token sequences the output may not complete (router/bad_words.py:
+    before each token, ban what ``banned_tokens`` names)."""
     cache_salt: str | None = None
     """Capability "cache_salt": reuse and leave prefix-cache entries only for requests with the
     same salt (None: only for requests without one)."""

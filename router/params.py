@@ -27,6 +27,8 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     stop_token_ids: frozenset[int] = frozenset()
+    bad_words: list[str] = field(default_factory=list)
+    """Words the reply may not contain, as the tokenizer spells them (router/bad_words.py)."""
     ignore_eos: bool = False
     priority: int = 0
     cache_salt: str | None = None

@@ -21,6 +21,7 @@ import msgspec
 from msgspec import UNSET
 
 from . import sse
+from .bad_words import bad_words_ids
 from .detokenizer import IncrementalDetokenizer
 from .engine import EngineError, EngineRequest, EngineStep, SamplingParams, Tokenizer, UnknownAdapter
 from .errors import APIError, BadRequest, ModelNotFound, ServerError
@@ -202,10 +203,13 @@ class Generation:
     constraints: list[Any] | None = None  # one TokenConstraint per choice
     choices: list[Choice] = field(default_factory=list)
     prediction: list[int] | None = None  # the prediction's token ids (Predicted Outputs)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # the token sequences params.bad_words forbid
 
     def __post_init__(self) -> None:
         tok = self.backend.engine.tokenizer
         n = self.params.n
+        if self.params.bad_words:
+            self.bad_words = bad_words_ids(tok, self.params.bad_words)
         if self.params.prediction is not None:
             # No answer outgrows the context, so no more of a prediction is ever drafted from;
             # the text is cut first, to tokenize little (SmolLM2's longest token spells 81
@@ -238,6 +242,7 @@ class Generation:
             max_tokens=self.max_tokens,
             min_tokens=params.min_tokens,
             stop_token_ids=params.stop_token_ids,
+            bad_words=self.bad_words,
             ignore_eos=params.ignore_eos,
             priority=params.priority,
             cache_salt=params.cache_salt,

@@ -126,6 +126,29 @@ def test_return_tokens_as_token_ids_names_tokens_by_id(base_url, model):
         assert [x for ch in chunks for x in ch["logprobs"][key]] == named["logprobs"][key]
 
 
+def contains(ids, seq):
+    return any(tuple(ids[i : i + len(seq)]) == tuple(seq) for i in range(len(ids) - len(seq) + 1))
+
+
+def test_bad_words_are_never_completed(base_url, model):
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True}
+    plain = post(base_url, body).json()["choices"][0]
+    assert "Paris" in plain["text"]
+    forbidden = [tokenize(base_url, model, w) for w in ("Paris", " Paris")]
+    assert any(contains(plain["token_ids"], seq) for seq in forbidden)
+    got = post(base_url, {**body, "bad_words": ["Paris"]})
+    assert got.status_code == 200, got.text
+    choice = got.json()["choices"][0]
+    assert not any(contains(choice["token_ids"], seq) for seq in forbidden)
+    assert choice["text"] != plain["text"]
+    # up to the first token the ban changed, the reply is the same
+    first = next(i for i, (a, b) in enumerate(zip(plain["token_ids"], choice["token_ids"])) if a != b)
+    assert any(contains(plain["token_ids"][: first + 1], seq) for seq in forbidden)
+    r = post(base_url, {**body, "bad_words": "Paris"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+
+
 def test_echo_without_logprobs_and_token_prompts(base_url, model):
     c = post(base_url, {"model": model, "prompt": "One, two,", "max_tokens": 4, "temperature": 0,
                         "echo": True}).json()["choices"][0]

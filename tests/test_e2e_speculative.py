@@ -121,3 +121,16 @@ def test_structured_outputs_and_tool_calls_with_drafts(router, client):
     assert [(c.function.name, c.function.arguments) for c in calls[0]] == [
         (c.function.name, c.function.arguments) for c in calls[1]
     ]
+
+
+def test_bad_words_hold_inside_drafts(router, client):
+    # After "The quick brown" the prompt lookup drafts " fox jumps over the": " jumps" is the
+    # draft's second token, checked by a row the ban must cover too.
+    before = spec_metrics(router)
+    plain = chat(client, "plain", extra_body={"return_token_ids": True, "bad_words": ["jumps"]})
+    spec = chat(client, "spec", extra_body={"return_token_ids": True, "bad_words": ["jumps"]})
+    assert spec.choices[0].token_ids == plain.choices[0].token_ids
+    text = spec.choices[0].message.content
+    assert "quick brown fox" in text and "jumps" not in text
+    accepted = 'router:spec_decode_num_accepted_tokens_total{model="spec",backend="torch"}'
+    assert spec_metrics(router)[accepted] - before.get(accepted, 0) >= 5

@@ -21,6 +21,7 @@ from typing import AsyncIterator
 import llama_cpp
 import numpy as np
 
+from router.bad_words import banned_tokens
 from router.engine import (
     LOCAL_ENGINE_CAPABILITIES,
     EngineError,
@@ -277,12 +278,15 @@ class LlamaCppEngine:
             only = np.zeros(tok.vocab_size, dtype=bool)
             only[list(req.sampling.allowed_token_ids)] = True
         first = True
+        output: list[int] = []  # for bad_words, which look at what came before
         for n in range(1, req.max_tokens + 1):
             if job.cancelled:
                 return
             logits = np.ctypeslib.as_array(self._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
             allowed = req.constraint.allowed() if req.constraint is not None else only
-            token, logprobs = sampler.sample(logits, allowed)
+            banned = banned_tokens(req.bad_words, output) if req.bad_words else frozenset()
+            token, logprobs = sampler.sample(logits, allowed, banned)
+            output.append(token)
             finish, stop_token = finish_reason(
                 req, token, n, len(self._cached) + 1, self.max_model_len, tok.eos_token_ids
             )

@@ -50,9 +50,12 @@ class Sampler:
             if prompt_ids:
                 self._seen[np.asarray(prompt_ids, dtype=np.int64)] = True
 
-    def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> tuple[int, TokenLogprobs | None]:
+    def sample(
+        self, logits: np.ndarray, allowed: np.ndarray | None = None, banned: frozenset[int] = frozenset()
+    ) -> tuple[int, TokenLogprobs | None]:
         """Choose the next token from ``logits`` (shape [vocab]); record it for penalties.
-        ``allowed`` (bool [vocab]) restricts the choice, e.g. to what a grammar accepts."""
+        ``allowed`` (bool [vocab]) restricts the choice, e.g. to what a grammar accepts;
+        ``banned`` ids are never chosen (``bad_words``), as suppressed ones are."""
         raw = logits[: self.vocab_size]
         x = raw.astype(np.float32, copy=True)
         p = self.p
@@ -60,6 +63,8 @@ class Sampler:
             x[self._bias_ids] += self._bias_vals
         if self._suppress is not None and self.generated < self.min_tokens:
             x[self._suppress] = -np.inf
+        if banned:
+            x[np.fromiter(banned, dtype=np.int64)] = -np.inf
         if allowed is not None:
             x[~allowed[: self.vocab_size]] = -np.inf
         if self._seen is not None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from router.bad_words import banned_tokens
 from router.engine import TokenLogprobs
 
 from .attention import AttentionMetadata, PrefillSpan, decode_mask, prefill_mask
@@ -181,14 +182,17 @@ class ModelRunner:
         output, prompt = seq.output_ids, seq.prompt_ids
         rows = []
         for i in range(len(w.draft) + 1):
+            so_far = output + w.draft[:i] if i else output
             suppress = frozenset()
             if seq.num_output + i < req.min_tokens:
                 suppress = self.eos_ids | req.stop_token_ids
+            if req.bad_words:
+                suppress = suppress | banned_tokens(req.bad_words, so_far)
             rows.append(
                 RowSampling(
                     params=params,
                     generator=seq.sampling_state,
-                    output_ids=output + w.draft[:i] if i else output,
+                    output_ids=so_far,
                     prompt_ids=prompt,
                     suppress=suppress,
                     allowed=allowed[i],

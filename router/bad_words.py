@@ -18,14 +18,15 @@ from .engine import Tokenizer
 
 
 def bad_words_ids(tok: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-    """The token sequences that ``words`` forbid (vLLM's tokenization of them)."""
+    """The token sequences that ``words`` forbid, each word's text-start and mid-text forms
+    (the module docstring says where this parts from vLLM)."""
     out: list[tuple[int, ...]] = []
-    for word in words:
-        plain = tuple(tok.encode(word.lstrip(), add_special_tokens=False, parse_special=False))
+    for word in (w.lstrip() for w in words):
+        plain = tuple(tok.encode(word, add_special_tokens=False, parse_special=False))
         if not plain:
             continue
         out.append(plain)
-        spaced = tuple(tok.encode(" " + word.lstrip(), add_special_tokens=False, parse_special=False))
+        spaced = tuple(tok.encode(" " + word, add_special_tokens=False, parse_special=False))
         if spaced != plain:
             out.append(spaced)
     return tuple(dict.fromkeys(out))

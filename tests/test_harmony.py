@@ -228,7 +228,7 @@ from router.engine import LOCAL_ENGINE_CAPABILITIES  # noqa: E402
 from router.hookspecs import hookimpl  # noqa: E402
 from router.plugins import load_plugins  # noqa: E402
 from sse_util import parse_events  # noqa: E402
-from test_reasoning import ask  # noqa: E402
+from test_reasoning import ask, assert_reasoning_tokens  # noqa: E402
 from test_serving import ScriptedEngine  # noqa: E402
 
 EOS = tok.special_ids["<|im_end|>"]
@@ -412,10 +412,4 @@ def test_a_constraint_begins_with_the_final_message_but_a_forced_call_at_once(cl
 
 
 def test_usage_counts_the_analysis_tokens(client):
-    def n(text):
-        return len(tok.encode(text, add_special_tokens=False))
-
-    usage = client.post("/v1/chat/completions", json=ask("oss")).json()["usage"]
-    reasoning = usage["completion_tokens_details"]["reasoning_tokens"]
-    assert n("Need to think.") <= reasoning <= n(A + "Need to think.<|end|>")
-    assert usage["completion_tokens"] - reasoning >= n("It is 4.")
+    assert_reasoning_tokens(client, "oss", tok, "Need to think.", A + "Need to think.<|end|>", "It is 4.")

@@ -253,15 +253,21 @@ def test_a_constraint_begins_after_the_reasoning(client):
     assert isinstance(THINKER.seen[-1].constraint, TokenConstraint)
 
 
-def test_usage_counts_the_reasoning_tokens(client):
+def assert_reasoning_tokens(client, model, tokenizer, reasoning, marked, answer):
+    """usage's reasoning_tokens counts at least the tokens of the reasoning text, at most those of
+    it with its markers (``marked``), and none of the answer's; returns the usage."""
     def n(text):
-        return len(tok.encode(text, add_special_tokens=False))
+        return len(tokenizer.encode(text, add_special_tokens=False))
 
-    usage = client.post("/v1/chat/completions", json=ask("r1")).json()["usage"]
-    reasoning = usage["completion_tokens_details"]["reasoning_tokens"]
-    # the reasoning's tokens, and the markers' at most; the answer's are not
-    assert n("ab bc") <= reasoning <= n("<think>\nab bc\n</think>")
-    assert usage["completion_tokens"] - reasoning >= n("\n\nhello world")
+    usage = client.post("/v1/chat/completions", json=ask(model)).json()["usage"]
+    counted = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert n(reasoning) <= counted <= n(marked)
+    assert usage["completion_tokens"] - counted >= n(answer)
+    return usage
+
+
+def test_usage_counts_the_reasoning_tokens(client):
+    usage = assert_reasoning_tokens(client, "r1", tok, "ab bc", "<think>\nab bc\n</think>", "\n\nhello world")
     r = client.post("/v1/chat/completions", json={**ask("r1"), "stream": True, "stream_options": {"include_usage": True}})
     assert parse_events(r.content)[-1]["usage"] == usage
     # a model without a parser has no such detail; a reply without reasoning has none

@@ -470,7 +470,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
     constraints = await _constraints(backend, params, params.n)
     thinking = _reasoning_parser(backend, params, prompt)
     if constraints is not None and thinking is not None:
-        constraints = _after_reasoning(constraints, thinking.func, params, tok, prompt)
+        constraints = _after_reasoning(constraints, thinking, params, tok)
     formats = [f for f in (parser, thinking.func if thinking is not None else None) if f is not None]
     if any(f.reads_control_tokens for f in formats):
         params.skip_special_tokens = False  # the format's markers are control tokens
@@ -563,9 +563,9 @@ def _reasoning_parser(backend: "LocalBackend", params: GenerationParams, prompt:
     name = backend.config.reasoning_parser
     if name is None:
         return None
-    if name == "openai_gptoss":
-        from .harmony import HarmonyParser
+    from .harmony import HarmonyParser
 
+    if name == HarmonyParser.name:
         return partial(HarmonyParser, params.tools)
     from .reasoning import PARSERS
 
@@ -579,24 +579,28 @@ def _prompt_opens_thinking(tok: Tokenizer, prompt: list[int]) -> bool:
     return prompt_opens_thinking(tok.decode(prompt[-8:]))
 
 
-def _after_reasoning(constraints: list[Any], parser: Any, params: GenerationParams, tok: Tokenizer,
-                     prompt: list[int]) -> list[Any]:
+def _after_reasoning(constraints: list[Any], thinking: partial, params: GenerationParams,
+                     tok: Tokenizer) -> list[Any]:
     """The constraints a thinking model's choices get: each begins once the reasoning has ended
     (router/thinking_gate.py), as vLLM's do. Not harmony's forced call, whose grammar writes the
     call's own header; nor where a Qwen3 reply would have to open its block with a ``<think>``
-    that is not one token (the grammar then governs from the first token, all of it content)."""
+    that is not one token (the grammar then governs from the first token, all of it content).
+
+    ``thinking``: what :func:`_reasoning_parser` returned; a think-block parser's one argument
+    says whether the prompt leaves a block open."""
     from .harmony import HarmonyParser
     from .reasoning import CLOSE, OPEN
     from .thinking_gate import AfterReasoning
 
-    opener = None
+    parser, opener = thinking.func, None
     if parser is HarmonyParser:
         if params.constraint.param == "tool_choice":
             return constraints
         end = HarmonyParser.answer_marker
     else:
         end = CLOSE
-        if not parser.starts_thinking and not _prompt_opens_thinking(tok, prompt):
+        (prompt_opens,) = thinking.args
+        if not parser.starts_thinking and not prompt_opens:
             ids = tok.encode(OPEN, add_special_tokens=False, parse_special=True)
             if len(ids) != 1:
                 return constraints

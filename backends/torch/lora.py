@@ -16,8 +16,6 @@ by name when the model loads.
 from __future__ import annotations
 
 import itertools
-import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,34 +24,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from backends.peft import KEY, AdapterError, read_peft_folder
+
 if TYPE_CHECKING:
     from .model import CausalLM, ModelSpec
     from .scheduler import Scheduled
-
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 """The (fused) projections of a layer an adapter can reach, attention's first; in this order
 they are rk_decode_step's ``which`` 0..3."""
 
 
-class AdapterError(ValueError):
-    """An adapter this engine cannot serve (the message names the adapter and what is wrong)."""
-
-
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 # A mixture of experts' own modules: experts, shared expert, router (Qwen's mlp.gate, Mixtral's
 # block_sparse_moe.gate).
 _MOE_KEY = re.compile(r"\.(?:experts|shared_expert|shared_expert_gate|block_sparse_moe)\.|\.mlp\.gate\.lora_")
-_UNSUPPORTED = {
-    "use_dora": "DoRA (`use_dora`)",
-    "modules_to_save": "`modules_to_save` (fully trained extra modules)",
-    "layers_to_transform": "`layers_to_transform`",
-    "rank_pattern": "per-module ranks (`rank_pattern`)",
-    "alpha_pattern": "per-module alphas (`alpha_pattern`)",
-    "fan_in_fan_out": "`fan_in_fan_out` (Conv1D-style weights)",
-    "lora_bias": "trained biases on lora_B (`lora_bias`)",
-    "trainable_token_indices": "trained token embeddings (`trainable_token_indices`)",
-}
 
 
 def _targets(spec: ModelSpec) -> dict[str, tuple[str, int, int, int]]:
@@ -89,31 +73,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     """Read a PEFT LoRA folder and check it against the base model's shapes."""
     from safetensors.torch import load_file
 
-    def fail(why: str) -> AdapterError:
-        return AdapterError(f"LoRA adapter `{name}` ({folder}): {why}")
-
-    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-    if not config_file.is_file():
-        raise fail("no adapter_config.json (a PEFT LoRA folder is expected)")
-    if not weights_file.is_file():
-        raise fail("no adapter_model.safetensors (adapters saved as .bin are not read; save with safetensors)")
-    try:
-        config = json.loads(config_file.read_text("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise fail(f"adapter_config.json is not JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise fail("adapter_config.json is not a JSON object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise fail(f"peft_type `{config.get('peft_type')}` is not supported; only LORA")
-    for key, what in _UNSUPPORTED.items():
-        if config.get(key):
-            raise fail(f"{what} is not supported")
-    if config.get("bias", "none") != "none":
-        raise fail(f"bias `{config['bias']}` is not supported; only \"none\" (no trained biases)")
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
-        raise fail("adapter_config.json needs an integer `r` >= 1 and a number `lora_alpha`")
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    peft = read_peft_folder(name, folder)
+    fail, rank, scale, weights_file = peft.error, peft.rank, peft.scale, peft.weights_file
     targets, rows = _targets(spec), spec.qkv_row_order()
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
@@ -124,7 +85,7 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
         if spec.is_moe and _MOE_KEY.search(key):
             raise fail(f"weight `{key}`: the experts, shared expert and router of a mixture of experts cannot be "
                        "adapted (attention's projections can)")
-        m = _KEY.search(key)
+        m = KEY.search(key)
         if m is None:
             raise fail(f"weight `{key}`: only the layers' projections can be adapted (q/k/v/o, gate/up/down)")
         layer, module, side = int(m.group(1)), m.group(2), m.group(3)

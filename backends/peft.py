@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 
 class AdapterError(ValueError):
@@ -50,6 +51,19 @@ class PeftFolder:
 
     def error(self, why: str) -> AdapterError:
         return AdapterError(f"LoRA adapter `{self.name}` ({self.folder}): {why}")
+
+    def locate(self, key: str, modules: Iterable[str], layers: int) -> tuple[int, str, str]:
+        """Weight ``key``'s (layer, PEFT module name, ``A`` or ``B``); refuses a weight of any
+        other module than ``modules``, or of a layer the base model (``layers``) lacks."""
+        m = KEY.search(key)
+        if m is None:
+            raise self.error(f"weight `{key}`: only the layers' projections can be adapted (q/k/v/o, gate/up/down)")
+        layer, module, side = int(m.group(1)), m.group(2), m.group(3)
+        if module not in modules:
+            raise self.error(f"weight `{key}`: module `{module}` is not supported; supported: {', '.join(modules)}")
+        if layer >= layers:
+            raise self.error(f"weight `{key}`: the base model has {layers} layers")
+        return layer, module, side
 
 
 def read_peft_folder(name: str, folder: Path) -> PeftFolder:

@@ -129,5 +129,7 @@ def test_lora_adapter_names_are_model_names():
     assert problems(torch_model.format("a", 'b="p"') + '[[models]]\nname="b"\nbackend="llamacpp"\npath="y"\n') == [
         "models[1].name: `b` is already used by models[0]"
     ]
-    (p,) = problems('[[models]]\nname="a"\nbackend="llamacpp"\npath="y"\nlora_modules={b="p"}\n')
+    llamacpp = parse_config(b'[[models]]\nname="a"\nbackend="llamacpp"\npath="y"\nlora_modules={b="p"}\n', BACKENDS)
+    assert llamacpp.models[0].adapter_names() == ["b"]
+    (p,) = problems('[[models]]\nname="a"\nbackend="llamacpp"\npath="y"\nlora_modules={b=1}\n')
     assert p.startswith("models[0]") and "lora_modules" in p

@@ -1,5 +1,5 @@
-"""End to end: LoRA adapters of torch models served as models of their own names, over HTTP
-with the openai SDK and raw requests."""
+"""End to end: LoRA adapters of torch and llama.cpp models served as models of their own names,
+over HTTP with the openai SDK and raw requests."""
 
 from __future__ import annotations
 
@@ -67,6 +67,21 @@ def post(router, path, body, key=ADMIN):
     return httpx.post(f"{router.url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
 
 
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+def stream_chat(router, model):
+    """A greedy streamed chat with the openai SDK: its text and usage; every chunk is named by
+    the model asked for."""
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=ADMIN)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert {c.model for c in chunks} == {model}
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+
+
 def test_models_lists_each_adapter_after_its_parent(lora_router):
     router, _ = lora_router
     cards = get(router, "/v1/models").json()["data"]
@@ -106,24 +121,12 @@ def test_chat_stream_on_an_adapter_with_the_openai_sdk(lora_router):
     zero says what its parent says, token for token; a real one says something else; each chunk
     is named by the model asked for and the usage adds up."""
     router, _ = lora_router
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=ADMIN)
-    messages = [{"role": "user", "content": "Name three colours."}]
-
-    def chat(model):
-        chunks = list(client.chat.completions.create(
-            model=model, messages=messages, max_tokens=24, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-        ))
-        assert {c.model for c in chunks} == {model}
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        return text, chunks[-1].usage
-
-    (base_text, base_usage), (text, usage) = chat("smol"), chat("smol-zero")
+    (base_text, base_usage), (text, usage) = stream_chat(router, "smol"), stream_chat(router, "smol-zero")
     assert text == base_text and len(text) > 10
-    assert chat("smol-some")[0] != base_text
+    assert stream_chat(router, "smol-some")[0] != base_text
     assert usage.prompt_tokens == base_usage.prompt_tokens
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    tokens = post(router, "/tokenize", {"model": "smol-zero", "messages": messages}).json()
+    tokens = post(router, "/tokenize", {"model": "smol-zero", "messages": MESSAGES}).json()
     assert tokens["count"] == usage.prompt_tokens
 
 
@@ -136,15 +139,19 @@ def updating_router(tmp_path_factory):
     base = tiny_checkpoint(root / "tiny", "llama")
     first = write_lora(root / "first", base, seed=6)
     second = write_lora(root / "second", base, rank=2, targets=("o_proj", "down_proj"), seed=7)
+    smol = smollm2_folder()
+    zero = write_lora(root / "smol-zero", smol, zero_b=True, targets=("q_proj", "k_proj", "down_proj"))
+    some = write_lora(root / "smol-some", smol, targets=("q_proj", "v_proj", "up_proj"), seed=8)
     config = router_toml(base, "tiny", server="runtime_lora_updating = true") + f"""
 [[models]]
 name = "llama"
 backend = "llamacpp"
 path = "{GGUF}"
 n_ctx = 512
+lora_modules = {{ llama-zero = "{zero}" }}
 """
     router = RouterProcess(config, root)
-    yield router, base, {"first": first, "second": second}, root
+    yield router, base, {"first": first, "second": second, "smol-some": some}, root
     router.stop()
 
 
@@ -159,13 +166,16 @@ def test_adapters_load_and_unload_while_serving(updating_router):
         return r.json()["choices"][0]["token_ids"]
 
     load = {"lora_name": "tiny-x", "lora_path": str(folders["first"])}
-    r = post(router, "/v1/load_lora_adapter", load)  # one model takes adapters: no `model` needed
+    r = post(router, "/v1/load_lora_adapter", load)  # two models take adapters: which one?
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "models that take LoRA adapters: `tiny`, `llama`" in r.json()["error"]["message"]
+    r = post(router, "/v1/load_lora_adapter", {**load, "model": "tiny"})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tiny-x' added successfully."
     assert r.headers["content-type"].startswith("text/plain")
     assert [(c["id"], c["parent"]) for c in get(router, "/v1/models").json()["data"]] == [
-        ("tiny", None), ("tiny-x", "tiny"), ("llama", None)]
+        ("tiny", None), ("tiny-x", "tiny"), ("llama", None), ("llama-zero", "llama")]
     assert tokens("tiny-x") == hf_greedy(merged_checkpoint(base, folders["first"], root / "m1"), prompt, 8)
-    again = post(router, "/v1/load_lora_adapter", {**load, "lora_path": str(folders["second"])})
+    again = post(router, "/v1/load_lora_adapter", {**load, "lora_path": str(folders["second"]), "model": "tiny"})
     assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
 
     r = post(router, "/v1/unload_lora_adapter", {"lora_name": "tiny-x"})
@@ -186,9 +196,10 @@ def test_adapters_load_and_unload_while_serving(updating_router):
 
 
 @pytest.mark.parametrize("body, status, param, message", [
-    ({"lora_name": "x", "lora_path": "/nowhere"}, 400, "lora_path", "no adapter_config.json"),
+    ({"lora_name": "x", "lora_path": "/nowhere", "model": "tiny"}, 400, "lora_path", "no adapter_config.json"),
+    ({"lora_name": "x", "lora_path": "/nowhere", "model": "llama"}, 400, "lora_path", "no such file or folder"),
     ({"lora_name": "tiny", "lora_path": "/nowhere"}, 400, "lora_name", "`tiny` is already in use"),
-    ({"lora_name": "x", "lora_path": "/nowhere", "model": "llama"}, 400, "model", "cannot take LoRA adapters"),
+    ({"lora_name": "x", "lora_path": "/nowhere", "model": "llama-zero"}, 400, "model", "cannot take LoRA adapters"),
     ({"lora_name": "x", "lora_path": "/nowhere", "model": "nope"}, 404, "model", "does not exist"),
     ({"lora_name": "", "lora_path": "/nowhere"}, 400, "lora_name", None),
     ({"lora_name": "x"}, 400, "lora_path", None),
@@ -200,6 +211,30 @@ def test_bad_loads_are_4xx_naming_the_field(updating_router, body, status, param
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and (message is None or message in error["message"])
+
+
+def test_llamacpp_adapters_configured_and_loaded_while_serving(updating_router):
+    """On the llama.cpp model with the openai SDK: the configured adapter whose B is zero says
+    what its parent says, token for token; one loaded at run time says something else, until it
+    is unloaded. Each chunk is named by the model asked for and the usage adds up."""
+    router, _, folders, _ = updating_router
+
+    def chat(model):
+        text, usage = stream_chat(router, model)
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        return text
+
+    base_text = chat("llama")
+    assert chat("llama-zero") == base_text and len(base_text) > 10
+    load = {"lora_name": "llama-some", "lora_path": str(folders["smol-some"]), "model": "llama"}
+    assert post(router, "/v1/load_lora_adapter", load).status_code == 200
+    assert ("llama-some", "llama") in [(c["id"], c["parent"]) for c in get(router, "/v1/models").json()["data"]]
+    some = chat("llama-some")
+    assert some != base_text and chat("llama") == base_text
+    assert chat("llama-some") == some
+    assert post(router, "/v1/unload_lora_adapter", {"lora_name": "llama-some"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        chat("llama-some")
 
 
 def test_only_a_key_for_every_model_may_load(updating_router):

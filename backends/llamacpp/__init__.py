@@ -9,6 +9,7 @@ router.toml::
     n_ctx = 2048        # context length (default: max_model_len, else 2048)
     n_threads = 2       # decode threads (default: all cores)
     n_batch = 512       # prompt tokens per evaluation
+    lora_modules = { smollm2-pirate = "adapters/pirate.gguf" }  # LoRA adapters, each served as a model
 
 llama_cpp is imported only when a model of this backend loads.
 """
@@ -33,6 +34,15 @@ class LlamaCppConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
     n_threads: Annotated[int, Meta(ge=1)] | None = None
     n_threads_batch: Annotated[int, Meta(ge=1)] | None = None
     n_batch: Annotated[int, Meta(ge=1)] = 512
+    lora_modules: dict[Annotated[str, Meta(min_length=1)], str] = {}
+    """LoRA adapters of this model, name -> a GGUF adapter file (llama.cpp's
+    ``convert_lora_to_gguf.py`` writes them) or a PEFT folder (converted when the model loads, for
+    base models of the ``llama`` architecture); ``pkg:`` allowed. Each is served as a model of
+    that name (``parent``: this one). Requests run one at a time here, each with its adapter set
+    on the context; the KV of a prompt is reused only by a request of the same adapter."""
+
+    def adapter_names(self) -> list[str]:
+        return list(self.lora_modules)
 
 
 class LlamaCppBackend(LocalBackend):
@@ -48,6 +58,7 @@ class LlamaCppBackend(LocalBackend):
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
         cfg = self.config
+        adapters = {name: resolve_path(p, self.base_dir) for name, p in cfg.lora_modules.items()}
         return LlamaCppEngine(
             str(path),
             n_ctx=cfg.n_ctx or cfg.max_model_len or 2048,
@@ -55,6 +66,7 @@ class LlamaCppBackend(LocalBackend):
             n_threads=cfg.n_threads or os.cpu_count() or 1,
             n_threads_batch=cfg.n_threads_batch or cfg.n_threads or os.cpu_count() or 1,
             n_batch=cfg.n_batch,
+            adapters=adapters,
         )
 
 

@@ -11,11 +11,14 @@ logits for every position (only those batches; the model keeps ``logits_all=Fals
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import heapq
 import itertools
 import logging
+import tempfile
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator
 
 import llama_cpp
@@ -28,6 +31,7 @@ from router.engine import (
     EngineRequest,
     EngineStep,
     TokenLogprobs,
+    UnknownAdapter,
     finish_reason,
 )
 
@@ -65,6 +69,7 @@ class LlamaCppEngine:
         n_threads: int | None,
         n_threads_batch: int | None,
         n_batch: int,
+        adapters: dict[str, Path] | None = None,
     ) -> None:
         with _LOAD_LOCK:
             self._llm = self._load(model_path, n_ctx, n_batch, n_threads, n_threads_batch)
@@ -73,16 +78,32 @@ class LlamaCppEngine:
         self.tokenizer = LlamaCppTokenizer(self._llm)
         self.chat_template: str | None = self._llm.metadata.get("tokenizer.chat_template")
         self.max_model_len = self._llm.n_ctx()
-        self.capabilities = LOCAL_ENGINE_CAPABILITIES
+        self.capabilities = LOCAL_ENGINE_CAPABILITIES | {"lora_adapters"}
         self._n_vocab = self._llm.n_vocab()
         self._cached: list[int] = []  # tokens whose KV is in the context, in order
-        self._salt: str | None = None  # the cache_salt of the request that left them
+        # What made them: the request's cache_salt and LoRA adapter (its load, not its name).
+        self._made_by: tuple[str | None, int | None] = (None, None)
+        # LoRA adapters: name -> (load number, llama.cpp's adapter). The worker sets a request's
+        # on the context (``_applied``: the load set now) while holding ``_context``, which
+        # loading and freeing take too.
+        self._adapters: dict[str, tuple[int, object]] = {}  # the object: a ctypes pointer
+        self._loads = itertools.count(1)
+        self._applied: int | None = None
+        self._context = threading.Lock()
+        self._workdir = tempfile.TemporaryDirectory(prefix="router-lora-")
         self._heap: list[tuple[int, float, int, _Job]] = []
         self._order = itertools.count()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closing = False
         self.running: _Job | None = None
+        try:
+            for name, path in (adapters or {}).items():
+                self._add_adapter(name, path)
+        except BaseException:
+            self._llm.close()
+            self._workdir.cleanup()
+            raise
 
     @staticmethod
     def _load(model_path: str, n_ctx: int, n_batch: int, n_threads: int | None, n_threads_batch: int | None) -> llama_cpp.Llama:
@@ -113,7 +134,8 @@ class LlamaCppEngine:
             self.running.cancelled = True
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._llm.close()
+        self._llm.close()  # frees the adapters with the model
+        self._workdir.cleanup()
 
     def stats(self) -> dict[str, int]:
         waiting = sum(1 for *_, job in self._heap if not job.cancelled)
@@ -128,6 +150,8 @@ class LlamaCppEngine:
         with self._cv:
             if self._closing:
                 raise EngineError("the engine is shutting down")
+            if request.adapter is not None and request.adapter not in self._adapters:
+                raise UnknownAdapter(request.adapter)
             heapq.heappush(self._heap, (request.priority, request.arrival, next(self._order), job))
             self._cv.notify()
         try:
@@ -156,7 +180,8 @@ class LlamaCppEngine:
                 continue
             self.running = job
             try:
-                self._run(job)
+                with self._context:
+                    self._run(job)
             except Exception as exc:  # noqa: BLE001 - reported to the request, engine lives on
                 log.exception("request %s failed", job.request.request_id)
                 self._cached = []
@@ -196,10 +221,10 @@ class LlamaCppEngine:
             scores.append(token_logprobs(row[:vocab], target, k, rank=True))
         return scores
 
-    def _reusable(self, prompt: list[int], salt: str | None) -> int:
+    def _reusable(self, prompt: list[int], made_by: tuple[str | None, int | None]) -> int:
         """How many leading prompt tokens' KV to keep from the request before (see ``_run``):
-        none for a request with another cache_salt than that request's."""
-        if salt != self._salt:
+        none for a request with another cache_salt or LoRA adapter than that request's."""
+        if made_by != self._made_by:
             return 0
         keep = 0
         for a, b in zip(self._cached, prompt):
@@ -222,8 +247,9 @@ class LlamaCppEngine:
         # Prompt logprobs need a logits row at every prompt position, so such a request reuses
         # nothing; its batches are cut the same way, so it samples what it would without them.
         scored = req.prompt_logprobs is not None
-        keep = 0 if scored else self._reusable(prompt, req.cache_salt)
-        self._salt = req.cache_salt
+        made_by = (req.cache_salt, self._apply_adapter(req.adapter))
+        keep = 0 if scored else self._reusable(prompt, made_by)
+        self._made_by = made_by
         if not self._ctx.kv_cache_seq_rm(-1, keep, -1):
             keep = 0
             self._ctx.kv_cache_seq_rm(-1, 0, -1)
@@ -259,6 +285,65 @@ class LlamaCppEngine:
         finally:
             # Generated tokens were evaluated one by one: not reusable (see above).
             del self._cached[reusable:]
+
+    def _apply_adapter(self, name: str | None) -> int | None:
+        """Set the request's adapter (or none) on the context; its load number."""
+        with self._cv:
+            if name is not None and name not in self._adapters:
+                raise UnknownAdapter(name)  # unloaded meanwhile: refused while queued, but be sure
+            load, adapter = self._adapters[name] if name is not None else (None, None)
+        if load != self._applied:
+            _set_adapter(self._ctx.ctx, adapter)
+            self._applied = load
+        return load
+
+    # --- LoRA adapters (capability ``lora_adapters``) ----------------------------------------
+
+    async def add_adapter(self, name: str, path: Path) -> None:
+        """Load a GGUF LoRA adapter file or a PEFT folder (:mod:`.lora`) and serve it as
+        ``name``; raises :class:`backends.peft.AdapterError` naming what is wrong."""
+        await asyncio.to_thread(self._add_adapter, name, path)
+
+    async def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``; refused while a request waits or generates with it."""
+        await asyncio.to_thread(self._remove_adapter, name)
+
+    def _add_adapter(self, name: str, path: Path) -> None:
+        from .lora import AdapterError, BaseModel, adapter_file
+
+        if not hasattr(llama_cpp, "llama_set_adapters_lora"):
+            raise AdapterError(f"LoRA adapter `{name}`: this llama-cpp-python ({llama_cpp.__version__}) is older "
+                               "than the adapter API the llamacpp backend uses (llama_set_adapters_lora)")
+        with self._cv:
+            if name in self._adapters:
+                raise AdapterError(f"LoRA adapter `{name}` is already loaded")
+        file = adapter_file(name, path, BaseModel.from_metadata(self._llm.metadata), Path(self._workdir.name))
+        with self._context:
+            adapter = llama_cpp.llama_adapter_lora_init(self._llm.model, str(file).encode())
+        if file.parent == Path(self._workdir.name):
+            file.unlink()  # llama.cpp holds the weights now
+        if not adapter:
+            raise AdapterError(f"LoRA adapter `{name}` ({path}): llama.cpp could not load it (its tensors do not fit "
+                               "this base model)")
+        with self._cv:
+            self._adapters[name] = (next(self._loads), adapter)
+
+    def _remove_adapter(self, name: str) -> None:
+        from .lora import AdapterError
+
+        with self._cv:
+            if name not in self._adapters:
+                raise AdapterError(f"LoRA adapter `{name}` is not loaded")
+            jobs = [job for *_, job in self._heap] + ([self.running] if self.running is not None else [])
+            users = sum(1 for job in jobs if job.request.adapter == name and not job.cancelled)
+            if users:
+                raise AdapterError(f"LoRA adapter `{name}` is serving {users} request(s); unload it once they end")
+            load, adapter = self._adapters.pop(name)
+        with self._context:  # no request runs: the context may drop it
+            if self._applied == load:
+                _set_adapter(self._ctx.ctx, None)
+                self._applied = None
+            llama_cpp.llama_adapter_lora_free(adapter)
 
     def _generate(self, job: _Job, keep: int, prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
         """Sample until the request finishes; the first step carries ``keep`` as
@@ -304,3 +389,15 @@ class LlamaCppEngine:
             if finish is not None:
                 return
             self._eval([token])
+
+
+def _set_adapter(ctx: object, adapter: object | None) -> None:
+    """Make ``adapter`` the context's only one, or leave it none. At scale 1: llama.cpp then
+    scales by the file's ``alpha / r`` (1 in a converted PEFT folder, whose scale is in B)."""
+    if adapter is None:
+        done = llama_cpp.llama_set_adapters_lora(ctx, None, 0, None)
+    else:
+        adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(adapter)
+        done = llama_cpp.llama_set_adapters_lora(ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
+    if done != 0:
+        raise EngineError("llama.cpp could not set the LoRA adapter on its context")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from backends.peft import KEY, AdapterError, read_peft_folder
+from backends.peft import AdapterError, read_peft_folder
 
 if TYPE_CHECKING:
     from .model import CausalLM, ModelSpec
@@ -85,14 +85,7 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
         if spec.is_moe and _MOE_KEY.search(key):
             raise fail(f"weight `{key}`: the experts, shared expert and router of a mixture of experts cannot be "
                        "adapted (attention's projections can)")
-        m = KEY.search(key)
-        if m is None:
-            raise fail(f"weight `{key}`: only the layers' projections can be adapted (q/k/v/o, gate/up/down)")
-        layer, module, side = int(m.group(1)), m.group(2), m.group(3)
-        if module not in targets:
-            raise fail(f"weight `{key}`: module `{module}` is not supported; supported: {', '.join(targets)}")
-        if layer >= spec.num_layers:
-            raise fail(f"weight `{key}`: the base model has {spec.num_layers} layers")
+        layer, module, side = peft.locate(key, targets, spec.num_layers)
         if spec.is_sparse(layer) and targets[module][0] in PROJECTIONS[2:]:
             raise fail(f"weight `{key}`: layer {layer}'s feed-forward block is a mixture of experts, which has no `{module}`")
         pairs.setdefault((layer, module), {})[side] = tensor

@@ -1,0 +1,202 @@
+"""LoRA adapters for llama.cpp: its own GGUF adapter files, and PEFT folders written as one.
+
+llama.cpp adds an adapter's product ``s B (A x)`` inside its graph, from a GGUF file whose
+``general.type`` is ``adapter`` (what llama.cpp's ``convert_lora_to_gguf.py`` writes): tensors
+``blk.N.attn_q.weight.lora_a`` (``A``, ``[r, in]``) and ``.lora_b`` (``B``, ``[out, r]``) next to
+each base tensor they adapt, and ``adapter.lora.alpha``, the scale being ``alpha / r`` (1 where
+alpha is 0). A PEFT folder (what vLLM's ``--lora-modules`` takes, and the torch backend) is
+written as such a file here, for a base model of the ``llama`` architecture (Llama, SmolLM,
+Mistral): each PEFT module is named as llama.cpp names the base tensor, the scale is folded into
+``B`` (alpha 0), and the query and key rows of ``B`` are permuted as the GGUF converter permutes
+the base model's (llama.cpp's rotary embedding pairs neighbouring dimensions, Hugging Face's the
+two halves). Other architectures take an adapter file converted by llama.cpp's own script.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from backends.peft import AdapterError, read_peft_folder
+
+# PEFT's module names -> llama.cpp's base tensor names (``blk.N.<name>.weight``).
+TENSORS = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "gate_proj": "ffn_gate",
+    "up_proj": "ffn_up",
+    "down_proj": "ffn_down",
+}
+
+CONVERTED_ARCHITECTURES = ("llama",)
+"""Base architectures whose PEFT adapters are converted here (the layout above is theirs)."""
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """What an adapter must fit, read from the base GGUF's metadata."""
+
+    architecture: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> BaseModel:
+        arch = meta["general.architecture"]
+
+        def get(key: str, default: int | None = None) -> int:
+            value = meta.get(f"{arch}.{key}")
+            if value is None:
+                if default is None:
+                    raise KeyError(f"{arch}.{key}")
+                return default
+            return int(value)
+
+        hidden, heads = get("embedding_length"), get("attention.head_count")
+        return cls(
+            architecture=arch,
+            layers=get("block_count"),
+            hidden=hidden,
+            intermediate=get("feed_forward_length"),
+            heads=heads,
+            kv_heads=get("attention.head_count_kv", heads),
+            head_dim=get("attention.key_length", hidden // heads),
+        )
+
+    def shapes(self, module: str) -> tuple[int, int]:
+        """(out, in) of a PEFT module's base weight."""
+        q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
+        return {
+            "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+        }[module]
+
+
+def adapter_file(name: str, path: Path, base: BaseModel, workdir: Path) -> Path:
+    """The GGUF adapter file to give llama.cpp for ``path``: the file itself (checked to be a
+    LoRA adapter of ``base``'s architecture), or a PEFT folder converted into ``workdir``."""
+    if path.is_dir():
+        out = workdir / f"{name}.gguf"
+        write_gguf_adapter(name, path, base, out)
+        return out
+    if not path.is_file():
+        raise AdapterError(f"LoRA adapter `{name}` ({path}): no such file or folder (a GGUF adapter file or a "
+                           "PEFT LoRA folder is expected)")
+    check_gguf_adapter(name, path, base.architecture)
+    return path
+
+
+def check_gguf_adapter(name: str, path: Path, architecture: str) -> None:
+    """Refuse, by name, a file that is not a GGUF LoRA adapter for ``architecture`` (llama.cpp's
+    own refusal reaches only its log)."""
+    from gguf import GGUFReader
+
+    def fail(why: str) -> AdapterError:
+        return AdapterError(f"LoRA adapter `{name}` ({path}): {why}")
+
+    try:
+        fields = GGUFReader(str(path)).fields
+    except Exception as exc:  # noqa: BLE001 - GGUFReader raises ValueError and others on a bad file
+        raise fail(f"not a GGUF file ({exc})") from None
+
+    def text(key: str) -> str | None:
+        field = fields.get(key)
+        return None if field is None else field.contents()
+
+    if text("general.type") != "adapter" or text("adapter.type") != "lora":
+        raise fail("not a LoRA adapter (its general.type must be `adapter` and adapter.type `lora`)")
+    if text("general.architecture") != architecture:
+        raise fail(f"an adapter of a `{text('general.architecture')}` model; the base model is `{architecture}`")
+
+
+def write_gguf_adapter(name: str, folder: Path, base: BaseModel, out: Path) -> None:
+    """Write PEFT folder ``folder`` as a llama.cpp adapter file (module docstring)."""
+    from gguf import GGUFWriter
+
+    peft = read_peft_folder(name, folder)
+    fail = peft.error
+    if base.architecture not in CONVERTED_ARCHITECTURES:
+        raise fail(f"PEFT folders are converted for base models of the {', '.join(CONVERTED_ARCHITECTURES)} "
+                   f"architecture, not `{base.architecture}`; convert it with llama.cpp's convert_lora_to_gguf.py "
+                   "and give the .gguf file")
+    try:
+        weights = read_safetensors(peft.weights_file)
+    except (OSError, ValueError) as exc:
+        raise fail(f"adapter_model.safetensors cannot be read: {exc}") from None
+    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for key, tensor in weights.items():
+        layer, module, side = peft.locate(key, TENSORS, base.layers)
+        pairs.setdefault((layer, module), {})[side] = tensor
+    if not pairs:
+        raise fail("adapter_model.safetensors holds no LoRA weights")
+    writer = GGUFWriter(str(out), base.architecture)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", 0.0)  # the scale is in B
+    for (layer, module), pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise fail(f"layer {layer} `{module}` has lora_{''.join(pair)} without its pair")
+        a, b = pair["A"], pair["B"]
+        out_features, in_features = base.shapes(module)
+        if a.shape != (peft.rank, in_features) or b.shape != (out_features, peft.rank):
+            raise fail(
+                f"layer {layer} `{module}`: lora_A {a.shape} and lora_B {b.shape}, expected "
+                f"{(peft.rank, in_features)} and {(out_features, peft.rank)} (r = {peft.rank} on this base model)"
+            )
+        b = b * np.float32(peft.scale)
+        if module == "q_proj":
+            b = _pair_rotary_rows(b, base.heads)
+        elif module == "k_proj":
+            b = _pair_rotary_rows(b, base.kv_heads)
+        stem = f"blk.{layer}.{TENSORS[module]}.weight"
+        writer.add_tensor(f"{stem}.lora_a", np.ascontiguousarray(a, dtype=np.float32))
+        writer.add_tensor(f"{stem}.lora_b", np.ascontiguousarray(b, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _pair_rotary_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Reorder each head's output rows from Hugging Face's rotary layout (dimension ``j`` pairs
+    with ``j + d/2``) to llama.cpp's (``2j`` with ``2j + 1``), as its converter does to the base
+    model's query and key weights."""
+    out = rows.shape[0]
+    return rows.reshape(heads, 2, out // heads // 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}  # safetensors is little-endian
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file's float tensors as float32 arrays, bfloat16 included (which numpy has
+    no type for, so ``safetensors.numpy`` cannot read it)."""
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise ValueError("the file is too short")
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    body = memoryview(data)[8 + size :]
+    tensors = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor `{key}` is {info['dtype']}; F32, F16 and BF16 are read")
+        start, end = info["data_offsets"]
+        array = np.frombuffer(body[start:end], dtype=dtype).reshape(info["shape"])
+        if info["dtype"] == "BF16":  # the top half of a float32
+            array = (array.astype(np.uint32) << 16).view(np.float32)
+        tensors[key] = array.astype(np.float32)
+    return tensors

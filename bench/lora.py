@@ -1,20 +1,24 @@
-"""What serving a LoRA adapter costs on the torch engine: the same greedy generations on the base
-model and under an adapter, alternating, in one process.
+"""What serving a LoRA adapter costs on the torch engine (or with ``--backend llamacpp``, the
+llama.cpp one): the same greedy generations on the base model and under an adapter, alternating,
+in one process.
 
 The bundled SmolLM2 with a random rank-``--rank`` adapter on all seven projections of every
 layer (the worst case; a q/v adapter costs less). ``--streams`` requests at once, each a fresh
 prompt of ``--prompt`` random tokens and ``--max-tokens`` new ones; prints the wall time and
 tokens/s of each way and their ratio. With ``--weight-format int8`` or ``int4`` both run the one C
-call, which adds the adapter's rows itself (``lora_add``).
+call, which adds the adapter's rows itself (``lora_add``). llama.cpp runs the bundled Q4_1 file
+with the same PEFT adapter converted to its adapter format, one request at a time.
 
     .venv/bin/python bench/lora.py                                   # float32, 1 and 8 streams
     .venv/bin/python bench/lora.py --weight-format int4 --streams 1,8
+    .venv/bin/python bench/lora.py --backend llamacpp --streams 1,8
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -28,7 +32,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weight-format", default="native", choices=["native", "fp16", "int8", "int4"])
+    ap.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    ap.add_argument("--weight-format", default="native", choices=["native", "fp16", "int8", "int4"],
+                    help="the torch engine's weights (default native: float32)")
     ap.add_argument("--streams", default="1,8", help="concurrent requests, comma-separated (default 1,8)")
     ap.add_argument("--rank", type=int, default=16, help="the adapter's rank (default 16)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per request (default 64)")
@@ -36,16 +42,27 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs of each way per level (default 3)")
     args = ap.parse_args()
 
-    from backends.torch import TorchConfig
-    from backends.torch.setup import build_engine
     from router.engine import EngineRequest, SamplingParams
-    from torch_models import smollm2_folder, write_lora
+    from torch_models import GGUF, smollm2_folder, write_lora
 
     base = smollm2_folder()
     adapter = write_lora(Path(tempfile.mkdtemp()) / "adapter", base, rank=args.rank, alpha=2.0 * args.rank)
-    cfg = TorchConfig(name="bench", backend="torch", path=str(base), max_model_len=1024, kv_cache_gb=0.5,
-                      weight_format=args.weight_format, prefix_caching=False)
-    engine = build_engine(cfg, base, {"adapter": adapter})
+    if args.backend == "llamacpp":
+        from backends.llamacpp.engine import LlamaCppEngine
+
+        threads = os.cpu_count()
+        engine = LlamaCppEngine(str(GGUF), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                                adapters={"adapter": adapter})
+        asyncio.run(engine.start())
+        what = "llama.cpp, Q4_1"
+    else:
+        from backends.torch import TorchConfig
+        from backends.torch.setup import build_engine
+
+        cfg = TorchConfig(name="bench", backend="torch", path=str(base), max_model_len=1024, kv_cache_gb=0.5,
+                          weight_format=args.weight_format, prefix_caching=False)
+        engine = build_engine(cfg, base, {"adapter": adapter})
+        what = f"torch, weight_format {args.weight_format}"
     rng = random.Random(0)
 
     async def one(adapter_name: str | None) -> int:
@@ -62,7 +79,7 @@ def main() -> None:
         counts = await asyncio.gather(*(one(adapter_name) for _ in range(streams)))
         return time.perf_counter() - start, sum(counts)
 
-    print(f"SmolLM2-135M, weight_format {args.weight_format}, adapter rank {args.rank} on all 7 projections, "
+    print(f"SmolLM2-135M, {what}, adapter rank {args.rank} on all 7 projections, "
           f"{args.prompt}-token prompts, {args.max_tokens} new tokens, median of {args.runs} alternating runs")
     print(f"{'streams':>7} {'base s':>8} {'adapter s':>10} {'base tok/s':>11} {'adapter tok/s':>14} {'adapter/base':>13}")
     try:

@@ -63,6 +63,8 @@ LOCAL_ENGINE_CAPABILITIES = frozenset(
         "skip_special_tokens",
         "cache_salt",
         "bad_words",
+        # Served by the shared pipeline over any engine that gives logprobs (router/beam_search.py).
+        "use_beam_search",
     }
 )
 

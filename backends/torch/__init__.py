@@ -33,21 +33,37 @@ from router.hookspecs import hookimpl
 
 
 class SpeculativeConfig(Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's ``--speculative-config`` for its draft-free method: ``ngram`` drafts up to
-    ``num_speculative_tokens`` tokens that followed an earlier occurrence of the sequence's last
-    ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens (the longest found; both default to the
-    other, or to 5), and each step verifies them. The output is the same as without (up to
-    floating-point rounding); it pays when the output repeats the prompt or itself (quoting,
-    editing, extraction), at small batches (docs/benchmarks.md). ``disable_by_batch_size``: no
-    drafts while that many sequences run."""
+    """vLLM's ``--speculative-config``: ``ngram`` drafts up to ``num_speculative_tokens`` tokens
+    that followed an earlier occurrence of the sequence's last ``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens (the longest found; both default to the other, or to 5);
+    ``draft_model`` (implied by ``model``) has a smaller model with the same tokenizer guess
+    them. Each step verifies them. The output is the same as without (up to floating-point
+    rounding); n-gram drafts pay when the output repeats the prompt or itself (quoting, editing,
+    extraction), at small batches (docs/benchmarks.md). ``disable_by_batch_size``: no drafts
+    while that many sequences run."""
 
-    method: Literal["ngram"]
+    method: Literal["ngram", "draft_model"] | None = None
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)]
+    model: str | None = None
+    """``draft_model``: the draft model (a Hugging Face folder or a GGUF file, ``pkg:`` allowed)
+    with the model's tokenizer; its greedy guesses are the drafts (backends/torch/draft.py)."""
     prompt_lookup_max: Annotated[int, Meta(ge=1, le=64)] | None = None
     prompt_lookup_min: Annotated[int, Meta(ge=1, le=64)] | None = None
     disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:  # vLLM infers it from `model`
+            if self.model is None:
+                raise ValueError('`method` is required: "ngram", or "draft_model" with `model`')
+            self.method = "draft_model"
+        if self.method == "draft_model":
+            if self.model is None:
+                raise ValueError('method "draft_model" needs `model`: the draft model\'s folder or GGUF file')
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError('prompt_lookup_min and prompt_lookup_max are for method "ngram"')
+            return
+        if self.model is not None:
+            raise ValueError('`model` is for method "draft_model"; "ngram" drafts from the sequence itself')
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         elif self.prompt_lookup_min is None:
@@ -98,8 +114,8 @@ class TorchConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
     weights only)."""
 
     speculative_config: SpeculativeConfig | None = None
-    """Speculative decoding (vLLM's ``--speculative-config``); only ``method = "ngram"``.
-    Sequences under structured outputs or tools are drafted the tokens their grammar forces, or
+    """Speculative decoding (vLLM's ``--speculative-config``): ``method = "ngram"``, or a draft
+    model (``model = "path"``). Sequences under structured outputs or tools are drafted the tokens their grammar forces, or
     lookups in the prompt. Requests' predictions (Predicted Outputs) are drafted from with or
     without it (without it, not where decode steps replay CUDA graphs)."""
 
@@ -117,7 +133,9 @@ class TorchBackend(LocalBackend):
         from .setup import build_engine
 
         adapters = {name: resolve_path(path, self.base_dir) for name, path in self.config.lora_modules.items()}
-        return build_engine(self.config, resolve_path(self.config.path, self.base_dir), adapters)
+        spec = self.config.speculative_config
+        draft = resolve_path(spec.model, self.base_dir) if spec is not None and spec.model is not None else None
+        return build_engine(self.config, resolve_path(self.config.path, self.base_dir), adapters, draft)
 
 
 @hookimpl

@@ -30,6 +30,7 @@ from router.engine import (
     finish_reason,
 )
 
+from .draft import DraftModel
 from .kv_cache import BlockPool, KVCache
 from .loader import Checkpoint
 from .model import CausalLM
@@ -64,6 +65,7 @@ class EngineOptions:
     decode_graphs: str = "off"
     lora_modules: dict[str, Path] = field(default_factory=dict)  # adapter name -> PEFT LoRA folder
     speculative: NgramOptions | None = None  # speculative decoding by n-gram lookup; None: off
+    draft_model: Path | None = None  # speculative decoding by a draft model (draft.py), with ``speculative``
 
 
 def release_freed_memory() -> None:
@@ -132,6 +134,10 @@ class TorchEngine:
             options.decode_graphs = "off"
         kv_dtype = options.kv_dtype or options.dtype
         per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
+        draft = self._load_draft(checkpoint) if options.draft_model is not None else None
+        if draft is not None:  # its keys and values take a share of every block's budget
+            per_block += KVCache.bytes_per_block(draft.spec.num_layers, options.block_size, draft.spec.num_kv_heads,
+                                                 draft.spec.head_dim, kv_dtype)
         num_blocks = max(1, options.kv_cache_bytes // per_block)
         graphs = options.decode_graphs != "off"
         # Static decode steps need one block the pool never hands out (padding rows write there).
@@ -158,7 +164,17 @@ class TorchEngine:
         # not at all where decode steps replay CUDA graphs: a step with a draft runs eagerly,
         # every sequence in it, and one client's prediction should not slow everyone's steps.
         self.proposer: NgramProposer | None = None
-        if options.speculative is not None:
+        self.draft: DraftModel | None = None
+        if draft is not None:
+            self.proposer = NgramProposer(options.speculative, lookup=False)
+            # In the model's weight format too (its packed matmuls run as torch operations).
+            draft_model = CausalLM.from_state_dict(draft.spec, self.max_model_len, draft.weights, options.dtype, pack)
+            draft.weights.clear()
+            draft_kv = KVCache.allocate(draft.spec.num_layers, num_blocks, options.block_size, draft.spec.num_kv_heads,
+                                        draft.spec.head_dim, kv_dtype, options.device)
+            self.draft = DraftModel(draft_model.to(device=options.device).eval(), draft_kv, self.tokenizer.vocab_size,
+                                    options.device)
+        elif options.speculative is not None:
             self.proposer = NgramProposer(options.speculative)
         elif options.decode_graphs != "capture":
             self.proposer = NgramProposer(PREDICTION_ONLY, lookup=False)
@@ -168,6 +184,7 @@ class TorchEngine:
             max_batched_tokens=options.max_batched_tokens,
             proposer=self.proposer,
             eos_ids=self.tokenizer.eos_token_ids,
+            draft_model=self.draft,
         )
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
@@ -200,6 +217,20 @@ class TorchEngine:
             decoder=decoder, graphs=decode_graphs, adapters=self.adapters,
         )
 
+    def _load_draft(self, checkpoint: Checkpoint) -> Checkpoint:
+        """The draft model's checkpoint; its tokenizer must be the model's (same vocabulary)."""
+        from .loader import load_checkpoint
+
+        draft = load_checkpoint(self.options.draft_model)
+        ours, theirs = checkpoint.tokenizer, draft.tokenizer
+        if theirs.vocab_size != ours.vocab_size or theirs.eos_token_ids != ours.eos_token_ids or any(
+            theirs.token_bytes(i) != ours.token_bytes(i) for i in range(0, ours.vocab_size, max(1, ours.vocab_size // 512))
+        ):
+            raise ValueError(f"speculative_config.model ({self.options.draft_model}): its tokenizer is not the model's "
+                             f"({theirs.vocab_size} tokens against {ours.vocab_size}, or other tokens); a draft model "
+                             "must share the model's vocabulary")
+        return draft
+
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -220,7 +251,8 @@ class TorchEngine:
             "kv_cache_bytes": self.kv.num_blocks * self._block_bytes,
             "preemptions": self.scheduler.preemptions,
         }
-        if self.proposer is not None and (self.proposer.lookup or self.proposer.drafts):  # configured, or predictions seen
+        if self.proposer is not None and (self.proposer.lookup or self.draft is not None or self.proposer.drafts):
+            # configured, or predictions seen
             out |= {
                 "spec_drafts": self.proposer.drafts,
                 "spec_draft_tokens": self.proposer.draft_tokens,

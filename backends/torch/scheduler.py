@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .kv_cache import BlockPool
 from .sequence import Sequence, Status
 from .speculative import NgramProposer, token_array
+
+if TYPE_CHECKING:
+    from .draft import DraftModel
 
 SCORED_ROWS = 256
 """At most this many prompt rows per step score the next prompt token (prompt logprobs): each
@@ -110,9 +114,11 @@ class Scheduler:
         scored_rows: int = SCORED_ROWS,
         proposer: NgramProposer | None = None,
         eos_ids: frozenset[int] = frozenset(),
+        draft_model: DraftModel | None = None,
     ) -> None:
         self.pool = pool
         self.proposer = proposer  # speculative decoding: drafts for decoding sequences
+        self.draft_model = draft_model  # guesses where the proposer has none (draft.py)
         self.eos_ids = eos_ids  # drafts stop before an end token (see _draft)
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -192,16 +198,25 @@ class Scheduler:
         block given to a draft that the model then rejects would be lost for nothing)."""
         fresh = self.pool.num_fresh
         bs = self.pool.block_size
-        lookup = self.proposer.lookup
+        drafting = self.proposer.lookup or self.draft_model is not None
+        guessing: list[tuple[Scheduled, int]] = []  # left to the draft model, with their limits
         for w in step.work:
             if budget <= 0:
                 break
-            if not w.is_decode or not (lookup or w.seq.prediction is not None):
+            if not w.is_decode or not (drafting or w.seq.prediction is not None):
                 continue
             seq = w.seq
             draft, w.predicted = self._draft(seq, budget)
             # Room in its last block after its own token, then in the fresh blocks.
             room = len(seq.block_table) * bs - (seq.num_computed + 1) + fresh * bs
+            if not draft and self.draft_model is not None:
+                limit = min(self._limit(seq, budget), room)
+                if limit >= 1:  # its blocks now: the draft model writes its guesses' keys there
+                    fresh -= seq.blocks_needed(1 + limit)
+                    seq.grow(self.pool, 1 + limit)
+                    budget -= limit
+                    guessing.append((w, limit))
+                continue
             del draft[max(room, 0) :]
             if not draft:
                 continue
@@ -209,6 +224,21 @@ class Scheduler:
             seq.grow(self.pool, 1 + len(draft))
             fresh -= blocks
             budget -= len(draft)
+            w.num_new += len(draft)
+            w.draft = draft
+        if guessing:
+            self._guess(guessing)
+
+    def _guess(self, guessing: list[tuple[Scheduled, int]]) -> None:
+        """The draft model's drafts, cut as :meth:`_draft` cuts the others; the blocks a shorter
+        draft did not need go back (fresh: they never held a computed token)."""
+        drafts = self.draft_model.propose([(w.seq, limit) for w, limit in guessing])
+        for (w, _), draft in zip(guessing, drafts):
+            seq = w.seq
+            self._cut(seq, draft)
+            keep = -(-(seq.num_computed + 1 + len(draft)) // self.pool.block_size)
+            while len(seq.block_table) > keep:
+                self.pool.release(seq.block_table.pop())
             w.num_new += len(draft)
             w.draft = draft
 
@@ -225,7 +255,7 @@ class Scheduler:
         the drafted tokens kept with such matches, 77% without)."""
         req = seq.request
         proposer = self.proposer
-        limit = min(budget, req.max_tokens - seq.num_output - 1, proposer.size_for(seq))
+        limit = self._limit(seq, budget)
         if limit < 1:
             return [], False
         constraint = req.constraint
@@ -238,15 +268,26 @@ class Scheduler:
                 draft = proposer.propose(token_array(seq), limit, before=seq.num_prompt if constraint is not None else None)
             else:
                 continue
-            for i, token in enumerate(draft):
-                if token in req.stop_token_ids or (token in self.eos_ids and not req.ignore_eos):
-                    del draft[i:]
-                    break
-            if draft and constraint is not None:
-                del draft[constraint.accepts(draft) :]
+            self._cut(seq, draft)
             if draft:
                 return draft, source == "prediction"
         return [], False
+
+    def _limit(self, seq: Sequence, budget: int) -> int:
+        """The most tokens to draft for ``seq``: within the budget, its ``max_tokens`` and the
+        proposer's size for it."""
+        return min(budget, seq.request.max_tokens - seq.num_output - 1, self.proposer.size_for(seq))
+
+    def _cut(self, seq: Sequence, draft: list[int]) -> None:
+        """Cut a draft before an end token (EOS, a stop token id: the row before it samples the
+        end anyway) and where the request's grammar would refuse it."""
+        req = seq.request
+        for i, token in enumerate(draft):
+            if token in req.stop_token_ids or (token in self.eos_ids and not req.ignore_eos):
+                del draft[i:]
+                break
+        if draft and req.constraint is not None:
+            del draft[req.constraint.accepts(draft) :]
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens ``seq`` would compute this step: what is left of it, within the budget,

@@ -52,6 +52,10 @@ class Sequence:
         self.draft_size: int | None = None  # speculative decoding: this sequence's draft length
         self.token_buffer: Any = None  # speculative decoding: ``tokens`` as an array (token_array)
         self.token_count = 0  # how many of ``tokens`` the buffer holds
+        # A draft model's keys and values (draft.py): right at positions before draft_valid, and
+        # after it as far as the drafted tokens draft_tail match the tokens.
+        self.draft_valid = 0
+        self.draft_tail: list[int] = []
         # Predicted outputs: the request's prediction as an array, where drafting from it got to,
         # and its drafted tokens the model kept and refused (usage's prediction token counts).
         self.prediction: Any = None if request.prediction is None else np.asarray(request.prediction, dtype=np.int64)
@@ -147,3 +151,4 @@ class Sequence:
         self.block_table = []
         self.num_computed = 0
         self._registered = 0
+        self.draft_valid, self.draft_tail = 0, []

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from router.config import resolve_path
+
 from .engine import EngineOptions, TorchEngine
 from .loader import load_checkpoint
 from .speculative import NgramOptions
@@ -27,8 +29,8 @@ def pick_device(name: str) -> torch.device:
 
 def kv_budget(config, device: torch.device, dtype: torch.dtype, checkpoint, adapter_bytes: int = 0) -> int:  # type: ignore[no-untyped-def]
     """Bytes for the KV cache: ``kv_cache_gb``; else on CUDA a fraction of what the weights
-    (and the LoRA adapters' files, an upper bound of their size on the device) leave free; else
-    1 GiB of RAM."""
+    (and ``adapter_bytes``: the LoRA adapters' and the draft model's files, about their size on
+    the device) leave free; else 1 GiB of RAM."""
     if config.kv_cache_gb is not None:
         return int(config.kv_cache_gb * (1 << 30))
     if device.type == "cuda":
@@ -45,14 +47,20 @@ def speculative_options(config) -> NgramOptions | None:  # type: ignore[no-untyp
         return None
     return NgramOptions(
         num_tokens=config.num_speculative_tokens,
-        min_n=config.prompt_lookup_min,
-        max_n=config.prompt_lookup_max,
+        min_n=config.prompt_lookup_min or 1,  # a draft model's: predictions only (no lookup)
+        max_n=config.prompt_lookup_max or 1,
         disable_by_batch_size=config.disable_by_batch_size,
     )
 
 
-def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) -> TorchEngine:  # type: ignore[no-untyped-def]
-    """The engine for a ``[[models]]`` entry; ``adapters``: its LoRA folders by served name."""
+def build_engine(config, path: Path, adapters: dict[str, Path] | None = None,  # type: ignore[no-untyped-def]
+                 draft_model: Path | None = None) -> TorchEngine:
+    """The engine for a ``[[models]]`` entry; ``adapters``: its LoRA folders by served name;
+    ``draft_model``: ``speculative_config.model`` resolved against the config's folder (else
+    taken as it is)."""
+    spec = config.speculative_config
+    if draft_model is None and spec is not None and spec.model is not None:
+        draft_model = resolve_path(spec.model)
     device = pick_device(config.device)
     if config.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -68,6 +76,8 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) ->
             raise ValueError('dtype = "float16": Gemma 2 and 3 overflow float16 (numerically unstable); '
                              'use "bfloat16" or "float32"')
         files = [folder / "adapter_model.safetensors" for folder in options.lora_modules.values()]
+        if draft_model is not None:  # its weights' files: about what it takes on the device
+            files += [draft_model] if draft_model.is_file() else list(draft_model.glob("*.safetensors"))
         adapter_bytes = sum(f.stat().st_size for f in files if f.is_file())
         options.kv_cache_bytes = kv_budget(config, device, dtype, checkpoint, adapter_bytes)
         options.max_model_len = config.max_model_len or checkpoint.spec.context_length
@@ -88,6 +98,7 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) ->
         decode_graphs="capture" if device.type == "cuda" and config.cuda_graphs else "off",
         lora_modules=dict(adapters or {}),
         speculative=speculative_options(config.speculative_config),
+        draft_model=draft_model,
     )
     engine = TorchEngine(load, options)
     log.info(
@@ -95,6 +106,7 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None) ->
         "speculative %s",
         device, str(dtype).removeprefix("torch."), engine.pool.num_blocks,
         str(engine.kv.k[0].dtype).removeprefix("torch."), config.block_size, engine.max_model_len,
-        options.decode_graphs, len(options.lora_modules), options.speculative or "off",
+        options.decode_graphs, len(options.lora_modules),
+        f"{options.speculative}, draft model {draft_model}" if draft_model else options.speculative or "off",
     )
     return engine

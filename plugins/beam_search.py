@@ -4,15 +4,16 @@ The request's ``n`` choices are then the ``n`` best beams of a beam search of wi
 first, ranked by ``cum_logprob / length ** length_penalty`` (router/beam_search.py). As in vLLM
 the search scores the model's raw logprobs, so sampling options (temperature, top_p, top_k,
 min_p, seed) change nothing. Options that would change a sampled answer and that beam search
-cannot honour (penalties, logit_bias, an output constraint, a prediction) are a 400 naming the
-field; a stream sends each choice's text once the search ends.
+cannot honour (penalties, logit_bias, allowed_token_ids, an output constraint, a prediction) are
+a 400 naming the field; a stream sends each choice's text once the search ends. Without
+``use_beam_search``, ``length_penalty`` is accepted and means nothing, as in vLLM (whose
+requests always carry it).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from router.errors import BadRequest
 from router.hookspecs import RequestField, hookimpl
 
 
@@ -33,6 +34,3 @@ def prepare_request(request: Any, model: Any, params: Any, endpoint: str) -> Non
         params.require("use_beam_search", "use_beam_search")
         if request.length_penalty is not None:
             params.length_penalty = request.length_penalty
-    elif request.length_penalty is not None:
-        raise BadRequest("length_penalty applies to beam search only: set use_beam_search to true.",
-                         param="length_penalty")

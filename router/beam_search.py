@@ -11,7 +11,9 @@ prompt's tokens and the beam's, a final end token not counted), and the ``w`` be
 choices, best first.
 
 The logprobs are the model's raw ones, so temperature, top_p, top_k, min_p and seed change
-nothing, as in vLLM. ``allowed_token_ids`` and ``bad_words`` drop the candidates they forbid.
+nothing, as in vLLM. ``bad_words`` drop the candidates they forbid. (``allowed_token_ids`` is
+refused: the engines rank alternatives before that mask, so the best allowed candidates would
+not be among them.)
 A step's requests run at once, so the torch engine batches them and finds their shared prefix in
 its prefix cache; llama.cpp runs them in turn, reusing the KV their prompts share with the one
 before.
@@ -58,7 +60,6 @@ class BeamSearch:
     async def run(self) -> tuple[list[Beam], EngineStep]:
         req = self.request
         prompt = req.prompt_ids
-        allowed = frozenset(req.sampling.allowed_token_ids) if req.sampling.allowed_token_ids is not None else None
         beams, complete = [Beam()], []
         first: EngineStep | None = None
         for t in range(req.max_tokens):
@@ -67,7 +68,7 @@ class BeamSearch:
                 first = steps[0]
             candidates: list[Beam] = []
             for beam, step in zip(beams, steps):
-                candidates += self._extend(beam, step, allowed, complete)
+                candidates += self._extend(beam, step, complete)
             candidates.sort(key=lambda b: -b.cum_logprob)  # stable: ties keep beam, then rank, order
             beams = candidates[: self.width]
             # A complete beam's score is final: only the best `width` can ever be returned.
@@ -82,10 +83,7 @@ class BeamSearch:
     async def _step(self, beams: list[Beam], t: int) -> list[EngineStep]:
         """One token for each beam, from requests running at once."""
         req = self.request
-        sampling = SamplingParams(
-            temperature=0.0, logprobs=max(2 * self.width, self.logprobs or 0),
-            allowed_token_ids=req.sampling.allowed_token_ids,
-        )
+        sampling = SamplingParams(temperature=0.0, logprobs=max(2 * self.width, self.logprobs or 0))
 
         async def one(i: int, beam: Beam) -> EngineStep:
             request = EngineRequest(
@@ -113,7 +111,7 @@ class BeamSearch:
             for task in tasks:
                 task.cancel()
 
-    def _extend(self, beam: Beam, step: EngineStep, allowed: frozenset[int] | None, complete: list[Beam]) -> list[Beam]:
+    def _extend(self, beam: Beam, step: EngineStep, complete: list[Beam]) -> list[Beam]:
         """The live candidates of ``beam`` after ``step``; complete ones go to ``complete``."""
         req = self.request
         entry = step.logprobs[0]
@@ -124,7 +122,7 @@ class BeamSearch:
         ends_allowed = len(beam.tokens) >= req.min_tokens
         out = []
         for token, logprob in sorted(options.items(), key=lambda item: -item[1]):
-            if (allowed is not None and token not in allowed) or token in banned:
+            if token in banned:
                 continue
             stop_token = token if token in req.stop_token_ids else None
             ends = stop_token is not None or (token in self.eos_ids and not req.ignore_eos)

@@ -345,11 +345,16 @@ class Generation:
                        frozenset() if self.params.ignore_eos else tok.eos_token_ids, self.params.sampling.logprobs)
             for p in range(len(self.prompts))
         ]
-        results = await asyncio.gather(*(s.run() for s in searches))
+        tasks = [asyncio.ensure_future(s.run()) for s in searches]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:  # one search failed (or the client left): the others stop too
+            for task in tasks:
+                task.cancel()
         for choice in self.choices:
             beams, first = results[choice.prompt_index]
             rank = choice.index % n
-            if rank >= len(beams):  # every candidate was forbidden (allowed_token_ids, bad_words)
+            if rank >= len(beams):  # bad_words forbade all but fewer than n candidates
                 raise EngineError(f"beam search found {len(beams)} beam(s) for n = {n}")
             beam = beams[rank]
             step = EngineStep(
@@ -420,17 +425,15 @@ def _check_beam_search(params: GenerationParams) -> None:
         ("frequency_penalty", s.frequency_penalty != 0.0),
         ("repetition_penalty", s.repetition_penalty != 1.0),
         ("logit_bias", bool(s.logit_bias)),
+        # The engines rank a step's alternatives before this mask: the allowed ones would be missed.
+        ("allowed_token_ids", s.allowed_token_ids is not None),
         ("prediction", params.prediction is not None),
+        # An output constraint (structured outputs, a forced tool call), named by its field.
+        (params.constraint.param if params.constraint is not None else "", params.constraint is not None),
     ]
     for name, used in refused:
         if used:
             raise BadRequest(f"{name} cannot be combined with use_beam_search.", param=name)
-    if params.constraint is not None:
-        raise BadRequest(f"use_beam_search cannot be combined with an output constraint (`{params.constraint.param}`).",
-                         param="use_beam_search")
-    if s.allowed_token_ids is not None and len(s.allowed_token_ids) < params.n:
-        raise BadRequest(f"use_beam_search with n = {params.n} needs at least {params.n} allowed_token_ids.",
-                         param="allowed_token_ids")
 
 
 def _engine_failure(exc: EngineError) -> APIError:

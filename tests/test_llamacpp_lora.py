@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
@@ -179,6 +180,10 @@ def test_adapters_load_and_unload_while_serving(adapters, smollm2):
         await engine.add_adapter("x", folders["qv"])
         second, cached = await generate(engine, "x")
         assert second != first and cached == 0
+        # A name is not a file name: "/" and ".." in it are harmless, and no converted file stays.
+        await engine.add_adapter("org/../pirate", folders["every"])
+        assert (await generate(engine, "org/../pirate"))[0] == first
+        assert not any(Path(engine._workdir.name).iterdir())
         assert (await generate(engine, None))[0] == base_out  # the context is back to no adapter
 
     try:

@@ -134,7 +134,8 @@ class LlamaCppEngine:
             self.running.cancelled = True
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._llm.close()  # frees the adapters with the model
+        with self._context:  # not under an adapter load (_add_adapter checks _closing)
+            self._llm.close()  # frees the adapters with the model
         self._workdir.cleanup()
 
     def stats(self) -> dict[str, int]:
@@ -176,16 +177,17 @@ class LlamaCppEngine:
                 if self._closing:
                     return
                 *_, job = heapq.heappop(self._heap)
-            if job.cancelled:
-                continue
-            self.running = job
+                if job.cancelled:
+                    continue
+                # Under the lock: remove_adapter counts the running request among its users.
+                self.running = job
             try:
                 with self._context:
                     self._run(job)
             except Exception as exc:  # noqa: BLE001 - reported to the request, engine lives on
                 log.exception("request %s failed", job.request.request_id)
                 self._cached = []
-                job.emit(EngineError(str(exc)))
+                job.emit(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
             finally:
                 self.running = None
 
@@ -319,9 +321,12 @@ class LlamaCppEngine:
                 raise AdapterError(f"LoRA adapter `{name}` is already loaded")
         file = adapter_file(name, path, BaseModel.from_metadata(self._llm.metadata), Path(self._workdir.name))
         with self._context:
-            adapter = llama_cpp.llama_adapter_lora_init(self._llm.model, str(file).encode())
+            closing = self._closing  # stop() closes the model under this lock
+            adapter = None if closing else llama_cpp.llama_adapter_lora_init(self._llm.model, str(file).encode())
         if file.parent == Path(self._workdir.name):
-            file.unlink()  # llama.cpp holds the weights now
+            file.unlink(missing_ok=True)  # llama.cpp holds the weights now
+        if closing:
+            raise EngineError("the engine is shutting down")
         if not adapter:
             raise AdapterError(f"LoRA adapter `{name}` ({path}): llama.cpp could not load it (its tensors do not fit "
                                "this base model)")

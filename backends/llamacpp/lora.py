@@ -15,7 +15,9 @@ two halves). Other architectures take an adapter file converted by llama.cpp's o
 from __future__ import annotations
 
 import json
+import os
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,8 +88,15 @@ def adapter_file(name: str, path: Path, base: BaseModel, workdir: Path) -> Path:
     """The GGUF adapter file to give llama.cpp for ``path``: the file itself (checked to be a
     LoRA adapter of ``base``'s architecture), or a PEFT folder converted into ``workdir``."""
     if path.is_dir():
-        out = workdir / f"{name}.gguf"
-        write_gguf_adapter(name, path, base, out)
+        # Named by tempfile, not by the adapter's name (which may hold "/" or "..").
+        fd, file = tempfile.mkstemp(suffix=".gguf", dir=workdir)
+        os.close(fd)
+        out = Path(file)
+        try:
+            write_gguf_adapter(name, path, base, out)
+        except BaseException:
+            out.unlink()
+            raise
         return out
     if not path.is_file():
         raise AdapterError(f"LoRA adapter `{name}` ({path}): no such file or folder (a GGUF adapter file or a "

@@ -202,7 +202,8 @@ def test_lookup_sizes_default_to_each_other_or_to_five():
         ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min (4) is above prompt_lookup_max (2)"),
         ({"method": "eagle"}, "Invalid enum value 'eagle'"),
         ({"num_speculative_tokens": 0}, "Expected `int` >= 1"),
-        ({"model": "x"}, "unknown field `model`"),
+        ({"model": "x"}, '`model` is for method "draft_model"'),
+        ({"speculative_model": "x"}, "unknown field `speculative_model`"),
     ],
 )
 def test_bad_configs_name_their_field(fields, message):

@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from backends.torch import SpeculativeConfig
 from router.engine import EngineRequest, SamplingParams
@@ -178,3 +179,98 @@ def test_speculative_config_rules(fields, message):
 
 def test_a_model_without_a_method_is_a_draft_model_as_in_vllm():
     assert SpeculativeConfig(model="m", num_speculative_tokens=3).method == "draft_model"
+
+
+def _draft_model(folder, max_catch_up, blocks=64, block_size=4):
+    from backends.torch.draft import DraftModel
+    from backends.torch.kv_cache import BlockPool, KVCache
+    from backends.torch.loader import load_checkpoint
+    from backends.torch.model import CausalLM
+
+    ckpt = load_checkpoint(folder)
+    spec = ckpt.spec
+    model = CausalLM.from_state_dict(spec, 256, ckpt.weights).eval()
+
+    def cache():
+        return KVCache.allocate(spec.num_layers, blocks, block_size, spec.num_kv_heads, spec.head_dim,
+                                torch.float32, torch.device("cpu"))
+
+    draft = DraftModel(model, cache(), ckpt.tokenizer.vocab_size, torch.device("cpu"), max_catch_up)
+    return draft, BlockPool(blocks, block_size, prefix_caching=False), cache
+
+
+def _tracked(seq) -> int:
+    """The positions the sequence's tracking says hold right draft keys (as propose reads it)."""
+    valid = seq.draft_valid
+    for drafted, token in zip(seq.draft_tail, seq.tokens[valid:]):
+        if drafted != token:
+            break
+        valid += 1
+    return valid
+
+
+@pytest.mark.parametrize("max_catch_up", [512, 5])
+def test_the_draft_keys_the_tracking_trusts_are_those_a_fresh_prefill_writes(models, max_catch_up):
+    """Steps as the engine takes them: guesses, some kept and the rest refused (then their blocks
+    trimmed), a token the model chose after them. At every step the draft keys and values at the
+    positions the sequence's tracking trusts equal a prefill of its tokens from scratch; with a
+    small catch-up cap the prompt takes several steps, undrafted meanwhile."""
+    from backends.torch.sequence import Sequence
+
+    _, folder = models
+    draft, pool, cache = _draft_model(folder, max_catch_up)
+    rng = torch.Generator().manual_seed(0)
+    prompt = random_prompts(4, [23])[0]
+    seq = Sequence(EngineRequest("d", prompt, SamplingParams(), 100), lambda _: None, pool.block_size)
+    undrafted, checked = 0, 0
+    for _ in range(14):
+        n = len(seq.tokens)
+        seq.num_computed = n - 1  # the model has every token's keys but the last one's
+        seq.grow(pool, 1 + 3)
+        (guess,) = draft.propose([(seq, 3)])
+        undrafted += not guess
+        kept = int(torch.randint(0, len(guess) + 1, (1,), generator=rng)) if guess else 0
+        bonus = (guess[kept] + 1) % 1000 + 3 if kept < len(guess) else 7  # never the refused guess
+        seq.tokens += guess[:kept] + [bonus]
+        seq.num_computed = n + kept
+        seq.trim(pool)
+        trusted = _tracked(seq)
+        if trusted:
+            reference = _prefill(draft.model, cache(), seq.tokens[:trusted], pool.block_size)
+            slots = torch.tensor([seq.block_table[p // pool.block_size] * pool.block_size + p % pool.block_size
+                                  for p in range(trusted)])
+            for layer in range(len(draft.kv.k)):
+                torch.testing.assert_close(draft.kv.k[layer][slots], reference.k[layer][:trusted], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(draft.kv.v[layer][slots], reference.v[layer][:trusted], atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 12
+    # At 5 a step while the model adds one: 5, 10, 15, 20, 25 of 24 to 28 tokens; drafted at the sixth.
+    assert undrafted == (0 if max_catch_up >= 24 else 5)
+
+
+def _prefill(model, kv, tokens, block_size):
+    """``tokens``' keys and values, computed in one pass into blocks 0, 1, ... of ``kv``."""
+    from backends.torch.attention import AttentionMetadata, PrefillSpan
+
+    n = len(tokens)
+    ids, positions = torch.tensor(tokens), torch.arange(n)
+    meta = AttentionMetadata(kv.k, kv.v, positions.clone(), prefills=[PrefillSpan(0, n, positions.clone(), None)])
+    with torch.inference_mode():
+        model(ids, positions, meta, torch.tensor([n - 1]))
+    return kv
+
+
+def test_a_failing_draft_model_costs_drafts_not_requests(pair, monkeypatch):
+    plain, spec = pair
+    prompt = random_prompts(11, [10])[0]
+    calls = []
+
+    def broken(items):
+        calls.append(len(items))
+        raise RuntimeError("draft on fire")
+
+    monkeypatch.setattr(spec.draft, "propose", broken)
+    assert run(generate(spec, prompt, 8)) == run(generate(plain, prompt, 8))
+    # Tried at every decoding step with room for a draft (6 of 7: the last has none under
+    # max_tokens), each of which then ran without drafts.
+    assert len(calls) == 6

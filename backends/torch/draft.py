@@ -14,7 +14,9 @@ Which of a sequence's positions hold draft keys and values is tracked on the seq
 tokens are right as far as the model kept them. Before drafting, the draft model computes the
 rest (the prompt at the first draft, the tokens the model sampled since): positions a prefix-cache
 hit brought in are computed again, since a cached block may hold the model's keys without the
-draft's. Nothing here can change an output: wrong draft keys only make worse guesses.
+draft's. A step's catching up is capped (``max_catch_up`` tokens in all, the step budget): a
+sequence further behind catches up over several steps and is drafted for once it has. Nothing
+here can change an output: wrong draft keys only make worse guesses.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from .sequence import Sequence
 class DraftModel:
     """The draft model, its KV cache (same blocks as the model's), and :meth:`propose`."""
 
-    def __init__(self, model: CausalLM, kv: KVCache, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, vocab_size: int, device: torch.device, max_catch_up: int) -> None:
         self.model = model
         self.kv = kv
+        self.max_catch_up = max_catch_up
         self.vocab_size = vocab_size  # the model's tokenizer's: a draft past it is cut there
         self.device = device
         self.window = model.spec.sliding_window
@@ -42,9 +45,12 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
         """Up to ``k`` greedy tokens after each sequence's last one (``items``: (sequence, k)),
-        their keys and values written at the positions after it, which must have blocks."""
-        feeds = []
-        for seq, _ in items:
+        their keys and values written at the positions after it, which must have blocks; none
+        for a sequence still catching up (module docstring)."""
+        feeds: dict[int, tuple[Sequence, int, list[int]]] = {}
+        live, behind = [], []  # drafted for; only catching up
+        budget = self.max_catch_up
+        for i, (seq, _) in enumerate(items):
             n = len(seq.tokens)
             valid = seq.draft_valid
             for drafted, token in zip(seq.draft_tail, seq.tokens[valid:]):
@@ -52,11 +58,22 @@ class DraftModel:
                     break
                 valid += 1
             valid = min(valid, n - 1)  # the last token is fed: its logits give the first guess
-            feeds.append((seq, valid, seq.tokens[valid:]))
+            if n - valid <= budget:
+                budget -= n - valid
+                feeds[i] = (seq, valid, seq.tokens[valid:])
+                live.append(i)
+            elif budget > 0:
+                feeds[i] = (seq, valid, seq.tokens[valid : valid + budget])
+                behind.append(i)
+                budget = 0
         drafts: list[list[int]] = [[] for _ in items]
-        live = list(range(len(items)))
+        # The first pass feeds every sequence what it has not seen; only those caught up guess.
+        guesses = self._forward([feeds[i] for i in live + behind])[: len(live)] if feeds else []
+        for i in behind:
+            seq, start, fed = feeds[i]
+            seq.draft_valid, seq.draft_tail = start + len(fed), []
+        caught_up = list(live)
         while live:
-            guesses = self._forward([feeds[i] for i in live])
             still = []
             for i, token in zip(live, guesses):
                 seq, k = items[i]
@@ -64,11 +81,13 @@ class DraftModel:
                     continue  # a padded row of the draft's embeddings: no token of the model's
                 drafts[i].append(token)
                 if len(drafts[i]) < k:
-                    seq_, start, fed = feeds[i]
-                    feeds[i] = (seq_, start + len(fed), [token])
+                    feeds[i] = (seq, feeds[i][1] + len(feeds[i][2]), [token])
                     still.append(i)
             live = still
-        for (seq, _), draft in zip(items, drafts):
+            if live:
+                guesses = self._forward([feeds[i] for i in live])
+        for i in caught_up:
+            seq, draft = items[i][0], drafts[i]
             # Fed: every token, then each guess but the last (whose keys nobody computed).
             seq.draft_valid, seq.draft_tail = len(seq.tokens), draft[:-1]
         return drafts

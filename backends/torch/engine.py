@@ -173,7 +173,7 @@ class TorchEngine:
             draft_kv = KVCache.allocate(draft.spec.num_layers, num_blocks, options.block_size, draft.spec.num_kv_heads,
                                         draft.spec.head_dim, kv_dtype, options.device)
             self.draft = DraftModel(draft_model.to(device=options.device).eval(), draft_kv, self.tokenizer.vocab_size,
-                                    options.device)
+                                    options.device, max_catch_up=options.max_batched_tokens)
         elif options.speculative is not None:
             self.proposer = NgramProposer(options.speculative)
         elif options.decode_graphs != "capture":
@@ -223,7 +223,7 @@ class TorchEngine:
 
         draft = load_checkpoint(self.options.draft_model)
         ours, theirs = checkpoint.tokenizer, draft.tokenizer
-        if theirs.vocab_size != ours.vocab_size or theirs.eos_token_ids != ours.eos_token_ids or any(
+        if theirs.vocab_size != ours.vocab_size or any(
             theirs.token_bytes(i) != ours.token_bytes(i) for i in range(0, ours.vocab_size, max(1, ours.vocab_size // 512))
         ):
             raise ValueError(f"speculative_config.model ({self.options.draft_model}): its tokenizer is not the model's "

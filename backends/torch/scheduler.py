@@ -11,6 +11,7 @@ it goes back to the waiting queue, to be recomputed later (its cached blocks may
 from __future__ import annotations
 
 import heapq
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ from .speculative import NgramProposer, token_array
 
 if TYPE_CHECKING:
     from .draft import DraftModel
+
+log = logging.getLogger("router.torch")
 
 SCORED_ROWS = 256
 """At most this many prompt rows per step score the next prompt token (prompt logprobs): each
@@ -232,7 +235,11 @@ class Scheduler:
     def _guess(self, guessing: list[tuple[Scheduled, int]]) -> None:
         """The draft model's drafts, cut as :meth:`_draft` cuts the others; the blocks a shorter
         draft did not need go back (fresh: they never held a computed token)."""
-        drafts = self.draft_model.propose([(w.seq, limit) for w, limit in guessing])
+        try:
+            drafts = self.draft_model.propose([(w.seq, limit) for w, limit in guessing])
+        except Exception:  # noqa: BLE001 - a failed guess costs the drafts, not the step
+            log.exception("the draft model failed: this step runs without its drafts")
+            drafts = [[] for _ in guessing]
         for (w, _), draft in zip(guessing, drafts):
             seq = w.seq
             self._cut(seq, draft)

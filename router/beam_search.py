@@ -23,10 +23,23 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 from .bad_words import banned_tokens
 from .engine import EngineError, EngineRequest, EngineStep, SamplingParams, TokenLogprobs
+
+T = TypeVar("T")
+
+
+async def all_or_none(coros: list[Awaitable[T]]) -> list[T]:
+    """Run ``coros`` at once and return their results; when one fails (or the caller is
+    cancelled), the others are cancelled rather than left running."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @dataclass(slots=True)
@@ -104,12 +117,7 @@ class BeamSearch:
                 raise EngineError("the engine did not give one token with its logprobs for a beam search step")
             return steps[0]
 
-        tasks = [asyncio.ensure_future(one(i, beam)) for i, beam in enumerate(beams)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
+        return await all_or_none([one(i, beam) for i, beam in enumerate(beams)])
 
     def _extend(self, beam: Beam, step: EngineStep, complete: list[Beam]) -> list[Beam]:
         """The live candidates of ``beam`` after ``step``; complete ones go to ``complete``."""

@@ -337,7 +337,7 @@ class Generation:
     async def _run_beam_search(self) -> AsyncIterator[tuple[Choice, str, list[Any]]]:
         """Each prompt's beam search (all at once); then each choice takes its beam whole, as
         one step of all its tokens."""
-        from .beam_search import BeamSearch
+        from .beam_search import BeamSearch, all_or_none
 
         n, tok = self.params.n, self.backend.engine.tokenizer
         searches = [
@@ -345,16 +345,11 @@ class Generation:
                        frozenset() if self.params.ignore_eos else tok.eos_token_ids, self.params.sampling.logprobs)
             for p in range(len(self.prompts))
         ]
-        tasks = [asyncio.ensure_future(s.run()) for s in searches]
-        try:
-            results = await asyncio.gather(*tasks)
-        finally:  # one search failed (or the client left): the others stop too
-            for task in tasks:
-                task.cancel()
+        results = await all_or_none([s.run() for s in searches])
         for choice in self.choices:
             beams, first = results[choice.prompt_index]
             rank = choice.index % n
-            if rank >= len(beams):  # bad_words forbade all but fewer than n candidates
+            if rank >= len(beams):  # bad_words left fewer than n candidates
                 raise EngineError(f"beam search found {len(beams)} beam(s) for n = {n}")
             beam = beams[rank]
             step = EngineStep(
@@ -428,9 +423,9 @@ def _check_beam_search(params: GenerationParams) -> None:
         # The engines rank a step's alternatives before this mask: the allowed ones would be missed.
         ("allowed_token_ids", s.allowed_token_ids is not None),
         ("prediction", params.prediction is not None),
-        # An output constraint (structured outputs, a forced tool call), named by its field.
-        (params.constraint.param if params.constraint is not None else "", params.constraint is not None),
     ]
+    if params.constraint is not None:  # structured outputs, a forced tool call: named by its field
+        refused.append((params.constraint.param, True))
     for name, used in refused:
         if used:
             raise BadRequest(f"{name} cannot be combined with use_beam_search.", param=name)

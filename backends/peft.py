@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 
 class AdapterError(ValueError):
@@ -64,6 +64,27 @@ class PeftFolder:
         if layer >= layers:
             raise self.error(f"weight `{key}`: the base model has {layers} layers")
         return layer, module, side
+
+    def paired(self, found: dict[tuple[int, str], dict[str, Any]],
+               shape: Callable[[str], tuple[int, int]]) -> list[tuple[int, str, Any, Any]]:
+        """``found``'s weights (by (layer, module), then ``A`` / ``B``) as (layer, module, A, B)
+        in order; refuses none at all, an ``A`` or ``B`` without its pair, and shapes other than
+        ``[r, in]`` and ``[out, r]`` for the base weight's ``shape(module)`` (out, in)."""
+        if not found:
+            raise self.error("adapter_model.safetensors holds no LoRA weights")
+        out = []
+        for (layer, module), pair in sorted(found.items()):
+            if set(pair) != {"A", "B"}:
+                raise self.error(f"layer {layer} `{module}` has lora_{''.join(pair)} without its pair")
+            a, b = pair["A"], pair["B"]
+            out_features, in_features = shape(module)
+            if tuple(a.shape) != (self.rank, in_features) or tuple(b.shape) != (out_features, self.rank):
+                raise self.error(
+                    f"layer {layer} `{module}`: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
+                    f"{(self.rank, in_features)} and {(out_features, self.rank)} (r = {self.rank} on this base model)"
+                )
+            out.append((layer, module, a, b))
+        return out
 
 
 def read_peft_folder(name: str, folder: Path) -> PeftFolder:

@@ -146,22 +146,12 @@ def write_gguf_adapter(name: str, folder: Path, base: BaseModel, out: Path) -> N
     for key, tensor in weights.items():
         layer, module, side = peft.locate(key, TENSORS, base.layers)
         pairs.setdefault((layer, module), {})[side] = tensor
-    if not pairs:
-        raise fail("adapter_model.safetensors holds no LoRA weights")
+    checked = peft.paired(pairs, base.shapes)
     writer = GGUFWriter(str(out), base.architecture)
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", 0.0)  # the scale is in B
-    for (layer, module), pair in sorted(pairs.items()):
-        if set(pair) != {"A", "B"}:
-            raise fail(f"layer {layer} `{module}` has lora_{''.join(pair)} without its pair")
-        a, b = pair["A"], pair["B"]
-        out_features, in_features = base.shapes(module)
-        if a.shape != (peft.rank, in_features) or b.shape != (out_features, peft.rank):
-            raise fail(
-                f"layer {layer} `{module}`: lora_A {a.shape} and lora_B {b.shape}, expected "
-                f"{(peft.rank, in_features)} and {(out_features, peft.rank)} (r = {peft.rank} on this base model)"
-            )
+    for layer, module, a, b in checked:
         b = b * np.float32(peft.scale)
         if module == "q_proj":
             b = _pair_rotary_rows(b, base.heads)

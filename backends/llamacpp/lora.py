@@ -5,11 +5,13 @@ llama.cpp adds an adapter's product ``s B (A x)`` inside its graph, from a GGUF 
 ``blk.N.attn_q.weight.lora_a`` (``A``, ``[r, in]``) and ``.lora_b`` (``B``, ``[out, r]``) next to
 each base tensor they adapt, and ``adapter.lora.alpha``, the scale being ``alpha / r`` (1 where
 alpha is 0). A PEFT folder (what vLLM's ``--lora-modules`` takes, and the torch backend) is
-written as such a file here, for a base model of the ``llama`` architecture (Llama, SmolLM,
-Mistral): each PEFT module is named as llama.cpp names the base tensor, the scale is folded into
-``B`` (alpha 0), and the query and key rows of ``B`` are permuted as the GGUF converter permutes
-the base model's (llama.cpp's rotary embedding pairs neighbouring dimensions, Hugging Face's the
-two halves). Other architectures take an adapter file converted by llama.cpp's own script.
+written as such a file here, for a base model of an architecture in :data:`CONVERTED_ARCHITECTURES`
+(Llama, SmolLM, Mistral; Qwen2 and 2.5; Qwen3): each PEFT module is named as llama.cpp names the
+base tensor and the scale is folded into ``B`` (alpha 0). For ``llama`` the query and key rows
+of ``B`` are also permuted as the GGUF converter permutes the base model's (there llama.cpp's
+rotary embedding pairs neighbouring dimensions, Hugging Face's the two halves; Qwen's GGUF files
+keep Hugging Face's halves). Other architectures take an adapter file converted by llama.cpp's
+own script; for the architectures above, its tensors' shapes are checked here first.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ TENSORS = {
     "down_proj": "ffn_down",
 }
 
-CONVERTED_ARCHITECTURES = ("llama",)
-"""Base architectures whose PEFT adapters are converted here (the layout above is theirs)."""
+CONVERTED_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+"""Base architectures (GGUF ``general.architecture``) whose PEFT adapters are converted here, the
+tensor names above being theirs, each with whether its GGUF converter pairs the query and key
+rows for llama.cpp's rotary embedding (and the adapter's ``B`` must be permuted alike)."""
 
 
 @dataclass(frozen=True)
@@ -101,22 +105,23 @@ def adapter_file(name: str, path: Path, base: BaseModel, workdir: Path) -> Path:
     if not path.is_file():
         raise AdapterError(f"LoRA adapter `{name}` ({path}): no such file or folder (a GGUF adapter file or a "
                            "PEFT LoRA folder is expected)")
-    check_gguf_adapter(name, path, base.architecture)
+    check_gguf_adapter(name, path, base)
     return path
 
 
-def check_gguf_adapter(name: str, path: Path, architecture: str) -> None:
-    """Refuse, by name, a file that is not a GGUF LoRA adapter for ``architecture`` (llama.cpp's
-    own refusal reaches only its log)."""
+def check_gguf_adapter(name: str, path: Path, base: BaseModel) -> None:
+    """Refuse, by name, a file that is not a GGUF LoRA adapter for ``base`` (llama.cpp's own
+    refusal reaches only its log)."""
     from gguf import GGUFReader
 
     def fail(why: str) -> AdapterError:
         return AdapterError(f"LoRA adapter `{name}` ({path}): {why}")
 
     try:
-        fields = GGUFReader(str(path)).fields
+        reader = GGUFReader(str(path))
     except Exception as exc:  # noqa: BLE001 - GGUFReader raises ValueError and others on a bad file
         raise fail(f"not a GGUF file ({exc})") from None
+    fields = reader.fields
 
     def text(key: str) -> str | None:
         field = fields.get(key)
@@ -124,8 +129,39 @@ def check_gguf_adapter(name: str, path: Path, architecture: str) -> None:
 
     if text("general.type") != "adapter" or text("adapter.type") != "lora":
         raise fail("not a LoRA adapter (its general.type must be `adapter` and adapter.type `lora`)")
-    if text("general.architecture") != architecture:
-        raise fail(f"an adapter of a `{text('general.architecture')}` model; the base model is `{architecture}`")
+    if text("general.architecture") != base.architecture:
+        raise fail(f"an adapter of a `{text('general.architecture')}` model; the base model is `{base.architecture}`")
+    if base.architecture in CONVERTED_ARCHITECTURES:  # whose projections' shapes BaseModel knows
+        _check_tensor_shapes(reader.tensors, base, fail)
+
+
+_GGUF_MODULES = {gguf: peft for peft, gguf in TENSORS.items()}
+
+
+def _check_tensor_shapes(tensors, base: BaseModel, fail) -> None:
+    """Refuse an adapter whose A and B of a layer's projection do not fit the base weight ([r, in]
+    and [out, r], one rank), or come without each other: llama.cpp's own refusal reaches only its
+    log. Tensors of other names (llama.cpp may adapt more than the projections) are left to it."""
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for tensor in tensors:
+        stem, _, side = tensor.name.rpartition(".lora_")
+        if side in ("a", "b"):
+            shapes.setdefault(stem, {})[side] = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    if not shapes:
+        raise fail("it holds no LoRA tensors (`<base tensor>.lora_a` and `.lora_b`)")
+    for stem, pair in sorted(shapes.items()):
+        if len(pair) == 1:
+            raise fail(f"`{stem}.lora_{next(iter(pair))}` comes without its pair")
+        parts = stem.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_MODULES or parts[3] != "weight":
+            continue
+        if not parts[1].isdigit() or int(parts[1]) >= base.layers:
+            raise fail(f"`{stem}`: the base model has layers 0 to {base.layers - 1}")
+        out, into = base.shapes(_GGUF_MODULES[parts[2]])
+        a, b = pair["a"], pair["b"]
+        if len(a) != 2 or len(b) != 2 or a[1] != into or b[0] != out or a[0] != b[1]:
+            raise fail(f"`{stem}`: lora_a is {list(pair['a'])} and lora_b {list(pair['b'])}; this base model's "
+                       f"weight is [{out}, {into}], so [r, {into}] and [{out}, r] are expected")
 
 
 def write_gguf_adapter(name: str, folder: Path, base: BaseModel, out: Path) -> None:
@@ -153,10 +189,8 @@ def write_gguf_adapter(name: str, folder: Path, base: BaseModel, out: Path) -> N
     writer.add_float32("adapter.lora.alpha", 0.0)  # the scale is in B
     for layer, module, a, b in checked:
         b = b * np.float32(peft.scale)
-        if module == "q_proj":
-            b = _pair_rotary_rows(b, base.heads)
-        elif module == "k_proj":
-            b = _pair_rotary_rows(b, base.kv_heads)
+        if CONVERTED_ARCHITECTURES[base.architecture] and module in ("q_proj", "k_proj"):
+            b = _pair_rotary_rows(b, base.heads if module == "q_proj" else base.kv_heads)
         stem = f"blk.{layer}.{TENSORS[module]}.weight"
         writer.add_tensor(f"{stem}.lora_a", np.ascontiguousarray(a, dtype=np.float32))
         writer.add_tensor(f"{stem}.lora_b", np.ascontiguousarray(b, dtype=np.float32))

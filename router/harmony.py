@@ -180,9 +180,17 @@ class HarmonyParser(ReplySplitter):
         template puts it in the role's part of calls in the history, which the parser reads
         too): the markers as the control tokens themselves (a ``<|name|>`` outside quotes), the
         arguments valid JSON for the tool. One call only, even with ``parallel``: ``<|call|>``
-        ends the generation. ValueError on an unknown choice."""
+        ends the generation. Before it the model may reason, as it was trained to: one analysis
+        message of any text (no control token), ended by ``<|end|>`` and followed by the call's
+        ``<|start|>assistant``. Like a thinking model's reasoning before its constrained answer,
+        it may take all of ``max_tokens``; one message, not several, so that a model cannot
+        keep starting new ones instead of calling. ValueError on an unknown choice."""
         chosen = chosen_tools(tools, choice)
-        rules = ["start: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
+        rules = [
+            "start: analysis? (" + " | ".join(f"call_{i}" for i in range(len(chosen))) + ")",
+            'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"',
+            "THOUGHT: /(?s:.+)/",
+        ]
         for i, tool in enumerate(chosen):
             head = lark_literal(f"commentary to={FUNCTIONS}{tool['function']['name']} ")
             rules.append(f'call_{i}: <|channel|> {head} <|constrain|> "json" <|message|> arguments_{i} <|call|>')

@@ -637,8 +637,8 @@ def _prompt_opens_thinking(tok: Tokenizer, prompt: list[int]) -> bool:
 def _after_reasoning(constraints: list[Any], thinking: partial, params: GenerationParams,
                      tok: Tokenizer) -> list[Any]:
     """The constraints a thinking model's choices get: each begins once the reasoning has ended
-    (router/thinking_gate.py), as vLLM's do. Not harmony's forced call, whose grammar writes the
-    call's own header; nor where a Qwen3 reply would have to open its block with a ``<think>``
+    (router/thinking_gate.py), as vLLM's do. Not harmony's forced call, whose grammar holds the
+    analysis message and then writes the call's own header; nor where a Qwen3 reply would have to open its block with a ``<think>``
     that is not one token (the grammar then governs from the first token, all of it content).
 
     ``thinking``: what :func:`_reasoning_parser` returned; a think-block parser's one argument

@@ -178,11 +178,26 @@ def test_the_grammar_takes_a_call_in_the_templates_shape(ll_tokenizer):
         (None, "", [("get_weather", '{"city": "Paris"}')])
 
 
+def test_the_grammar_lets_the_model_reason_before_the_call(ll_tokenizer):
+    call = CALL + '{"city": "Paris"}<|call|>'
+    for text in (A + "Need the weather.\nParis." + NEXT + call, A + 'Not {"city": 7} but...' + NEXT + call):
+        assert consumes(matcher(ll_tokenizer), tok.encode(text, add_special_tokens=False))
+        assert parse([tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=False)])[2] == \
+            [("get_weather", '{"city": "Paris"}')]
+    assert parse([A + "Need the weather.\nParis." + NEXT + call])[0] == "Need the weather.\nParis."
+
+
 @pytest.mark.parametrize("text", [
     CALL + '{"city": 7}<|call|>',  # arguments against the schema
     CALL.replace("weather", "whether") + '{"city": "Paris"}<|call|>',  # no such tool
-    A + "hm" + NEXT + CALL + '{"city": "Paris"}<|call|>',  # no thinking first
     CALL + '{"city": "Paris"}',  # not ended by <|call|>
+    A + "hm" + NEXT + FINAL + "It is sunny.<|return|>",  # thinking, then an answer instead of a call
+    A + "hm<|return|>",  # thinking ended by another marker than <|end|>
+    A + "hm<|call|>",
+    A + NEXT + CALL + '{"city": "Paris"}<|call|>',  # an empty analysis
+    A + "hm" + NEXT,  # thinking, no call yet: not a whole reply
+    A + "one" + NEXT + A + "two" + NEXT + CALL + '{"city": "Paris"}<|call|>',  # one analysis message at most
+    "<|channel|>commentary<|message|>Checking." + NEXT + CALL + '{"city": "Paris"}<|call|>',  # a preamble
 ])
 def test_the_grammar_refuses(ll_tokenizer, text):
     assert not consumes(matcher(ll_tokenizer), tok.encode(text, add_special_tokens=False))
@@ -205,11 +220,13 @@ def test_a_named_choice_allows_only_that_tool(ll_tokenizer):
 
 def test_the_grammar_text():
     lines = HarmonyParser.grammar(TOOLS[:1], None, False).splitlines()
-    assert lines[:2] == [
-        "start: call_0",
+    assert lines[:4] == [
+        "start: analysis? (call_0)",
+        'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"',
+        "THOUGHT: /(?s:.+)/",
         'call_0: <|channel|> "commentary to=functions.get_weather " <|constrain|> "json" <|message|> arguments_0 <|call|>',
     ]
-    schema = json.loads(lines[2].removeprefix("arguments_0: %json "))
+    schema = json.loads(lines[4].removeprefix("arguments_0: %json "))
     assert schema["required"] == ["city"] and schema["additionalProperties"] is False
 
 

@@ -14,6 +14,7 @@ import json
 import openai
 import pytest
 
+from router.harmony import HarmonyParser
 from server import RouterProcess, llamacpp_config, torch_config
 from torch_models import tiny_checkpoint
 
@@ -85,10 +86,16 @@ def streamed(stream):
     return content, reasoning, [tuple(c) for c in calls.values()], finish
 
 
+# The forced call's grammar lets the model write an analysis message first (router/harmony.py).
+# Left to itself this random one takes it and never ends it; a bias steers it either way.
+COMMENT, ANALYSIS, END = 3591, 14975, FIRST + HARMONY_TOKENS.index("<|end|>")  # "comment", "analysis"
+NO_ANALYSIS = {"logit_bias": {str(COMMENT): 100}}  # the channel it picks is commentary
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_call_comes_back_as_a_tool_call(sdk, choice):
     got = sdk.chat.completions.create(model="oss", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                                      max_tokens=64, temperature=0)
+                                      max_tokens=64, temperature=0, extra_body=NO_ANALYSIS)
     message = got.choices[0].message
     assert got.choices[0].finish_reason == "tool_calls"
     assert message.content is None and message.model_extra["reasoning"] is None
@@ -100,8 +107,35 @@ def test_a_forced_call_comes_back_as_a_tool_call(sdk, choice):
     assert arguments == {} if call.function.name == "get_time" else set(arguments) == {"city"}
     # ... ended by <|call|>, an end token: no text after the call
     stream = sdk.chat.completions.create(model="oss", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                                         max_tokens=64, temperature=0, stream=True)
+                                         max_tokens=64, temperature=0, stream=True, extra_body=NO_ANALYSIS)
     assert streamed(stream) == ("", "", [(call.function.name, call.function.arguments)], "tool_calls")
+
+
+def test_a_forced_call_may_come_after_the_models_reasoning(sdk):
+    # The model takes the analysis channel (its token biased 50), ends its message after a token
+    # (<|end|>, biased 100 so that it beats "analysis" there, cannot come before one), and then
+    # must call: the reply is that reasoning and the call.
+    body = {"logit_bias": {str(ANALYSIS): 50, str(END): 100}}
+    got = sdk.chat.completions.create(model="oss", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                      max_tokens=64, temperature=0, extra_body=body)
+    message = got.choices[0].message
+    assert got.choices[0].finish_reason == "tool_calls"
+    reasoning = message.model_extra["reasoning"]
+    assert reasoning and "<|" not in reasoning and message.content is None
+    # The analysis message's tokens (seen: 4 of 5, its <|channel|> not yet known to open it) count
+    # as reasoning; the call's do not.
+    assert 3 <= got.usage.completion_tokens_details.reasoning_tokens < got.usage.completion_tokens - 5
+    [call] = message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    raw = sdk.chat.completions.create(model="oss-raw", messages=ASK, max_tokens=64, temperature=0,
+                                      extra_body={**body, "skip_special_tokens": False, "structured_outputs": {
+                                          "grammar": HarmonyParser.grammar([WEATHER], None, False)}})
+    assert raw.choices[0].message.content == (
+        f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant<|channel|>commentary "
+        f"to=functions.get_weather <|constrain|>json<|message|>{call.function.arguments}")
+    stream = sdk.chat.completions.create(model="oss", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                         max_tokens=64, temperature=0, stream=True, extra_body=body)
+    assert streamed(stream) == ("", reasoning, [("get_weather", call.function.arguments)], "tool_calls")
 
 
 def test_the_raw_reply_shows_what_the_call_was_made_of(sdk):

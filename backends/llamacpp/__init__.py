@@ -37,7 +37,7 @@ class LlamaCppConfig(ModelConfig, kw_only=True, forbid_unknown_fields=True):
     lora_modules: dict[Annotated[str, Meta(min_length=1)], str] = {}
     """LoRA adapters of this model, name -> a GGUF adapter file (llama.cpp's
     ``convert_lora_to_gguf.py`` writes them) or a PEFT folder (converted when the model loads, for
-    base models of the ``llama`` architecture); ``pkg:`` allowed. Each is served as a model of
+    base models of the ``llama``, ``qwen2`` and ``qwen3`` architectures); ``pkg:`` allowed. Each is served as a model of
     that name (``parent``: this one). Requests run one at a time here, each with its adapter set
     on the context; the KV of a prompt is reused only by a request of the same adapter."""
 

@@ -37,6 +37,7 @@ import re
 from typing import ClassVar
 
 from .reasoning import ReasoningDelta, ReplySplitter
+from .thinking_gate import EndMarker
 from .tools.base import ToolCall, ToolCallDelta, new_call_id
 from .tools.grammar import arguments_schema, chosen_tools, lark_literal
 from .tools.markers import partial_marker
@@ -70,8 +71,13 @@ class HarmonyParser(ReplySplitter):
 
     name: ClassVar[str] = "openai_gptoss"
     reads_control_tokens: ClassVar[bool] = True
-    answer_marker: ClassVar[str] = CHANNEL + "final" + MESSAGE
-    """Where the answer begins: an output constraint (structured outputs) applies after it."""
+    answer_marker: ClassVar[EndMarker] = EndMarker(
+        re.compile(rb"<\|channel\|>final[^<]{0,32}(?:<\|constrain\|>[^<]{0,32})?<\|message\|>"),
+        len(CHANNEL + "final" + CONSTRAIN + MESSAGE) + 64,
+    )
+    """Where the answer begins: an output constraint (structured outputs) applies after it. The
+    final message's header, ``<|channel|>final`` to ``<|message|>``, may name a content type
+    between them (``<|channel|>final <|constrain|>json<|message|>``), as vLLM allows for too."""
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__()

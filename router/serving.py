@@ -653,14 +653,14 @@ def _after_reasoning(constraints: list[Any], thinking: partial, params: Generati
             return constraints
         end = HarmonyParser.answer_marker
     else:
-        end = CLOSE
+        end = CLOSE.encode()
         (prompt_opens,) = thinking.args
         if not parser.starts_thinking and not prompt_opens:
             ids = tok.encode(OPEN, add_special_tokens=False, parse_special=True)
             if len(ids) != 1:
                 return constraints
             opener = ids[0]
-    return [AfterReasoning(c, tok.token_bytes, end.encode(), opener) for c in constraints]
+    return [AfterReasoning(c, tok.token_bytes, end, opener) for c in constraints]
 
 
 def _message(content: str, choice: Choice) -> ResponseMessage:

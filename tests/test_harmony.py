@@ -428,5 +428,27 @@ def test_a_constraint_begins_with_the_final_message_but_a_forced_call_at_once(cl
     assert isinstance(HARMONY.seen[-1].constraint, TokenConstraint)
 
 
+@pytest.mark.parametrize("header, opens", [
+    ("<|channel|>final <|constrain|>json<|message|>", True),  # a content type, as gpt-oss may name one
+    ("<|channel|>final json<|message|>", True),
+    ("<|channel|>final<|message|>", True),
+    ("<|channel|>final<|end|><|start|>assistant<|channel|>analysis<|message|>", False),  # a broken header
+    ("<|channel|>final <|constrain|>json<|end|><|start|>assistant<|channel|>commentary<|message|>", False),
+    ("<|channel|>final" + " " * 40 + "<|message|>", False),  # more than a content type fits
+])
+def test_the_final_messages_header_may_name_a_content_type(client, header, opens):
+    body = ask("oss", response_format={"type": "json_object"})
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    gate = HARMONY.seen[-1].constraint
+    ids = tok.encode(A + "{" + NEXT + header, add_special_tokens=False)
+    for t in ids[:-1]:
+        gate.advance(t)
+    assert gate.reasoning  # nothing opens before the header's last token
+    gate.advance(ids[-1])
+    assert gate.reasoning is not opens
+    if opens:
+        assert gate.allowed()[ord("{")] and not gate.allowed()[ord("x")]
+
+
 def test_usage_counts_the_analysis_tokens(client):
     assert_reasoning_tokens(client, "oss", tok, "Need to think.", A + "Need to think.<|end|>", "It is 4.")

@@ -130,11 +130,17 @@ def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     packed torch path's tokens, and its logprobs within 0.02: measured up to 0.004 apart (the
     torch path's prompt rows multiply fp16 copies of the weights); the C step without the score
     cap, with the wrong query scale, norm or tables, is 0.15 to 3 apart."""
-    folder = checkpoints[arch]
+    assert_c_steps_match_the_torch_path(checkpoints[arch], weight_format=fmt, kv_cache_dtype=kv)
+
+
+def assert_c_steps_match_the_torch_path(folder, **options):
+    """Four prompts at once, greedy, through the one C call per step (every step, some mixing
+    prompt chunks and decode rows) and through ``CausalLM.forward``: the same tokens, logprobs
+    within 0.02."""
     prompts = random_prompts(2, (5, 23, 40, 11))
     outputs = {}
     for kernels in (True, False):
-        engine = small_steps_engine(folder, weight_format=fmt, kv_cache_dtype=kv)
+        engine = small_steps_engine(folder, **options)
         try:
             if kernels:
                 calls = counting_decoder(engine)

@@ -10,6 +10,8 @@ cache gather, attention, residual adds), and even one Python call per kernel (27
     (added to the residual; Gemma 2/3: normalised first) -> RMSNorm + quantize -> gate_up ->
     SiLU (GELU for Gemma) * up + quantize -> down_proj (added, the same way)
 
+(a mixture of experts' layer: ``moe_block`` in the MLP's place, see :meth:`CpuDecoder.knows`)
+
 and the final norm and LM head for the rows that sample. Gemma's embedding factor and logit cap
 are applied here, around the call; its ``1 + weight`` norms reach C as their float32 factors.
 The model's weights are described to C once (:class:`RkModel`); a step passes only its tokens'
@@ -41,6 +43,8 @@ from .scheduler import Scheduled, Step, StepRows
 
 if TYPE_CHECKING:
     from .lora import LoraAdapter
+    from .model import ModelSpec
+    from .moe import SparseMoE
 
 PROMPT_POSITIONS = 65_536
 """Above this many (prompt token, attended position) pairs in a step, the step runs as torch
@@ -83,13 +87,27 @@ class CpuDecoder:
     """Runs the steps :meth:`accepts` of ``model`` (all its linears :class:`~.quantize.PackedLinear`)
     in one C call each."""
 
+    @staticmethod
+    def knows(spec: ModelSpec) -> bool:
+        """Whether the C step computes this model's layers: every dense model's, and the mixtures
+        of experts whose routers softmax over every expert, without biases, experts of a plain
+        gated MLP (Mixtral, Qwen2-MoE, Qwen3-MoE); not gpt-oss's."""
+        return not (spec.softmax_top_k or spec.router_bias or spec.expert_bias or spec.clamped_swiglu
+                    or (spec.is_moe and spec.sandwich_norms))
+
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         from .native import KV_KINDS, RkLayer, RkModel, kernels
+
+        from .moe import ROUTERS, SparseMoE
 
         spec = model.spec
         if spec.head_dim % 2:
             raise ValueError(f"head_dim {spec.head_dim} is not supported by the CPU decode kernels")
-        if any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        if not self.knows(spec):
+            raise ValueError("CpuDecoder knows the experts of Mixtral, Qwen2-MoE and Qwen3-MoE, not gpt-oss's")
+        # The routers stay float32 linears (moe.ROUTERS); C reads their weights as floats.
+        routers = {id(getattr(m, r)) for m in model.modules() if isinstance(m, SparseMoE) for r in ROUTERS}
+        if any(isinstance(m, torch.nn.Linear) and id(m) not in routers for m in model.modules()):
             raise ValueError("CpuDecoder needs every projection packed (int8 or int4)")
         # C writes keys and values straight into these tensors, and reads the embeddings as floats.
         for t in (*kv.k, *kv.v, model.embed_tokens.weight):
@@ -108,6 +126,7 @@ class CpuDecoder:
         self._kp = max(lin.padded_in_features for lin in linears)
         # Everything C reads stays referenced here (the model holds the packed weights).
         self._keep: list[torch.Tensor] = []
+        self._keep_arrays: list[object] = []  # the experts' pointer arrays (ctypes)
         f32 = lambda t: _float_pointer(t, self._keep)  # noqa: E731
 
         norm = lambda n: f32(n.scale()) if n is not None else None  # noqa: E731
@@ -117,7 +136,12 @@ class CpuDecoder:
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (qkv, qkv_b), (o, o_b) = attn.qkv_proj.pointers, attn.o_proj.pointers
-            (gu, gu_b), (down, down_b) = mlp.gate_up_proj.pointers, mlp.down_proj.pointers
+            if isinstance(mlp, SparseMoE):
+                (gu, gu_b), (down, down_b), gu_kp, down_kp = (0, None), (0, None), 0, 0
+                moe = self._experts(mlp)
+            else:
+                (gu, gu_b), (down, down_b) = mlp.gate_up_proj.pointers, mlp.down_proj.pointers
+                gu_kp, down_kp, moe = mlp.gate_up_proj.padded_in_features, mlp.down_proj.padded_in_features, {}
             cos, sin = local if attn.sliding else rope
             layers[i] = RkLayer(
                 ln1=norm(layer.input_layernorm), ln2=norm(layer.post_attention_layernorm),
@@ -125,7 +149,7 @@ class CpuDecoder:
                 qkv=qkv, o=o, gate_up=gu, down=down,
                 qkv_bias=qkv_b, o_bias=o_b, gate_up_bias=gu_b, down_bias=down_b,
                 qkv_kp=attn.qkv_proj.padded_in_features, o_kp=attn.o_proj.padded_in_features,
-                gate_up_kp=mlp.gate_up_proj.padded_in_features, down_kp=mlp.down_proj.padded_in_features,
+                gate_up_kp=gu_kp, down_kp=down_kp, **moe,
                 k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(), window=spec.window_of(i) or 0,
                 q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm),
                 qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
@@ -148,6 +172,31 @@ class CpuDecoder:
         if any(lin.bits != self._plan.bits for lin in linears if lin is not head):
             raise ValueError("CpuDecoder needs one width (8 or 4 bits) for every projection of the layers")
         self.serves_adapters = False
+
+    def _experts(self, moe: "SparseMoE") -> dict:
+        """``rk_layer``'s fields for a mixture of experts: the float32 router (and shared expert
+        gate), each expert's packed gate_up and down, in one pointer array kept here."""
+        import ctypes
+
+        first = moe.experts[0]
+        pointers = (ctypes.c_void_p * (2 * moe.num_experts))(
+            *(lin.pointers[0] for e in moe.experts for lin in (e.gate_up_proj, e.down_proj))
+        )
+        self._keep_arrays.append(pointers)
+        fields = dict(
+            router=_float_pointer(moe.gate.weight, self._keep), experts=pointers, num_experts=moe.num_experts,
+            top_k=moe.top_k, expert_inter=first.down_proj.in_features, normalize=int(moe.normalize),
+            expert_gate_up_kp=first.gate_up_proj.padded_in_features, expert_down_kp=first.down_proj.padded_in_features,
+        )
+        shared = moe.shared_expert
+        if shared is not None:
+            fields.update(
+                shared_gate_up=shared.gate_up_proj.pointers[0], shared_down=shared.down_proj.pointers[0],
+                shared_gate=_float_pointer(moe.shared_expert_gate.weight, self._keep),
+                shared_inter=shared.down_proj.in_features, shared_gate_up_kp=shared.gate_up_proj.padded_in_features,
+                shared_down_kp=shared.down_proj.padded_in_features,
+            )
+        return fields
 
     def attach_adapters(self, adapters: list[LoraAdapter | None]) -> bool:
         """Describe LoRA adapters to C (``adapters[i]`` is index i + 1; None: a free index), so

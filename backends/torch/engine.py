@@ -188,12 +188,13 @@ class TorchEngine:
         )
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
-        # Steps that decode or compute short prompts: one C call. It knows dense MLPs only; a
-        # mixture of experts' steps run as torch operations (the experts' packed matmuls in C).
-        if options.weight_format in ("int8", "int4") and not spec.is_moe:
+        # Steps that decode or compute short prompts: one C call, for dense models and the
+        # mixtures of experts it knows; gpt-oss's steps run as torch operations (the experts'
+        # packed matmuls in C).
+        if options.weight_format in ("int8", "int4"):
             from .cpu_decode import CpuDecoder
 
-            decoder = CpuDecoder(self.model, self.kv)
+            decoder = CpuDecoder(self.model, self.kv) if CpuDecoder.knows(spec) else None
         self.adapters = None  # lora.Adapters once the first adapter loads
         self._decoder = decoder
         for name, path in options.lora_modules.items():  # after the C decoder read the packed projections

@@ -41,7 +41,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 11; }
+int rk_abi(void) { return 12; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -996,6 +996,17 @@ typedef struct {
     /* Gemma 2/3: norms of the attention's and the MLP's outputs before their residual adds; NULL: none */
     const float *attn_out_norm, *mlp_out_norm;
     float out_eps;
+    /* A mixture of experts in the MLP's place (experts != NULL; gate_up and down unused): the router's
+     * float32 [num_experts, hidden] weights; experts[2e], experts[2e + 1]: expert e's packed gate_up
+     * [2 expert_inter] and down [hidden]; Qwen2-MoE's shared expert (shared_gate_up != NULL), which
+     * every token runs through, scaled by sigmoid(shared_gate . x). */
+    const float *router;
+    const uint8_t *const *experts;
+    int64_t num_experts, top_k, expert_inter, expert_gate_up_kp, expert_down_kp;
+    int normalize; /* the chosen experts' weights renormalised to sum to 1 (Mixtral, Qwen's norm_topk_prob) */
+    const uint8_t *shared_gate_up, *shared_down;
+    const float *shared_gate;
+    int64_t shared_inter, shared_gate_up_kp, shared_down_kp;
 } rk_layer;
 
 typedef struct {
@@ -1012,6 +1023,121 @@ typedef struct {
     const rk_lora *lora; /* LoRA adapters: [adapter - 1][layer][projection][RK_LORA_PARTS]; NULL: none */
     int64_t num_adapters; /* entries of lora: a row whose adapter is above it is left as the base model's */
 } rk_model;
+
+/* One gated MLP over M rows already quantized for its gate_up (q, dq): gate_up -> activation ->
+ * quantize -> down, written to out [M, H] (overwriting). gu: M * 2I floats, tmp: I floats, q2 and
+ * dq2: M rows of down_kp, scratch of their own. */
+static void gated_mlp(const rk_model *md, const int16_t *q, const float *dq, int64_t M, const uint8_t *gate_up,
+                      int64_t gate_up_kp, const uint8_t *down, int64_t down_kp, int64_t I, float *gu, float *tmp,
+                      int16_t *q2, float *dq2, float *out, float *xsum) {
+    rk_linear(q, dq, M, gate_up_kp, gate_up, md->group, md->bits, NULL, 2 * I, gu, 2 * I, 0, xsum);
+    (md->act ? rk_gelu_tanh_mul_quantize : rk_silu_mul_quantize)(gu, M, I, 2 * I, tmp, down_kp, q2, dq2);
+    rk_linear(q2, dq2, M, down_kp, down, md->group, md->bits, NULL, md->hidden, out, md->hidden, 0, xsum);
+}
+
+/* A mixture of experts' block over the residual x [M, H] (its output added to x), as
+ * backends/torch/moe.py computes it: RMSNorm; the router's logits in float32 from the normalised
+ * rows (unquantized: a rounding there changes which experts a row reaches); softmax over every
+ * expert; the top_k best (the lower index first among equals, as torch.topk is stable on the CPU),
+ * renormalised where the layer says; each expert's matmuls over exactly the rows routed to it;
+ * each (row, slot) output times its weight kept apart, then the slots summed in order, plus the
+ * shared expert. Returns 0 when its scratch cannot be allocated (nothing changed then). */
+static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x, float *xsum) {
+    const int64_t H = md->hidden, E = l->num_experts, K = l->top_k, I = l->expert_inter, SI = l->shared_inter;
+    const int64_t kp = l->expert_gate_up_kp > l->shared_gate_up_kp ? l->expert_gate_up_kp : l->shared_gate_up_kp;
+    const int64_t kp2 = l->expert_down_kp > l->shared_down_kp ? l->expert_down_kp : l->shared_down_kp;
+    const int64_t II = I > SI ? I : SI;
+    float *normed = malloc((size_t)(M * H) * sizeof(float)), *probs = malloc((size_t)(M * E) * sizeof(float));
+    float *weights = malloc((size_t)(M * K) * sizeof(float)), *slots = malloc((size_t)(M * K * H) * sizeof(float));
+    float *gu = malloc((size_t)(M * 2 * II) * sizeof(float)), *tmp = malloc((size_t)II * sizeof(float));
+    float *eo = malloc((size_t)(M * H) * sizeof(float)), *dqa = malloc((size_t)M * sizeof(float));
+    float *dqe = malloc((size_t)M * sizeof(float)), *dq2 = malloc((size_t)M * sizeof(float));
+    int64_t *chosen = malloc((size_t)(M * K) * sizeof(int64_t)), *pairs = malloc((size_t)(M * K) * sizeof(int64_t));
+    int16_t *qa = malloc((size_t)(M * kp) * sizeof(int16_t)), *qe = malloc((size_t)(M * kp) * sizeof(int16_t));
+    int16_t *q2 = malloc((size_t)(M * kp2) * sizeof(int16_t));
+    int ok = normed && probs && weights && slots && gu && tmp && eo && dqa && dqe && dq2 && chosen && pairs && qa &&
+             qe && q2;
+    if (ok) {
+        for (int64_t m = 0; m < M; m++) {
+            const float *r = x + m * H;
+            float *n = normed + m * H;
+            const float inv = rms_inv(r, H, l->eps2);
+            for (int64_t k = 0; k < H; k++) n[k] = l->ln2[k] * (r[k] * inv);
+        }
+        rk_quantize_rows(normed, M, H, H, kp, qa, dqa); /* every expert's rows (kp: the widest gate_up) */
+#pragma omp parallel for schedule(static) if (M * E * H > 65536)
+        for (int64_t m = 0; m < M; m++) {
+            float *p = probs + m * E, top = -INFINITY, total = 0.f;
+            for (int64_t e = 0; e < E; e++) {
+                const float *w = l->router + e * H, *n = normed + m * H;
+                float sum = 0.f;
+                for (int64_t k = 0; k < H; k++) sum += n[k] * w[k];
+                p[e] = sum;
+                if (sum > top) top = sum;
+            }
+            for (int64_t e = 0; e < E; e++) total += (p[e] = expf(p[e] - top));
+            for (int64_t e = 0; e < E; e++) p[e] /= total;
+            float chosen_sum = 0.f;
+            for (int64_t s = 0; s < K; s++) { /* the best not yet taken, the lower index among equals */
+                int64_t best = -1;
+                for (int64_t e = 0; e < E; e++) {
+                    int taken = 0;
+                    for (int64_t t = 0; t < s; t++) taken |= chosen[m * K + t] == e;
+                    if (!taken && (best < 0 || p[e] > p[best])) best = e;
+                }
+                chosen[m * K + s] = best;
+                weights[m * K + s] = p[best];
+                chosen_sum += p[best];
+            }
+            if (l->normalize)
+                for (int64_t s = 0; s < K; s++) weights[m * K + s] /= chosen_sum;
+        }
+        for (int64_t e = 0; e < E; e++) {
+            int64_t count = 0;
+            for (int64_t j = 0; j < M * K; j++)
+                if (chosen[j] == e) pairs[count++] = j;
+            if (!count) continue;
+            for (int64_t j = 0; j < count; j++) { /* the rows routed here, as the expert's own batch */
+                const int64_t m = pairs[j] / K;
+                memcpy(qe + j * l->expert_gate_up_kp, qa + m * kp, (size_t)l->expert_gate_up_kp * sizeof(int16_t));
+                dqe[j] = dqa[m];
+            }
+            gated_mlp(md, qe, dqe, count, l->experts[2 * e], l->expert_gate_up_kp, l->experts[2 * e + 1],
+                      l->expert_down_kp, I, gu, tmp, q2, dq2, eo, xsum);
+            for (int64_t j = 0; j < count; j++) {
+                const float w = weights[pairs[j]], *src = eo + j * H;
+                float *dst = slots + pairs[j] * H;
+                for (int64_t k = 0; k < H; k++) dst[k] = src[k] * w;
+            }
+        }
+        if (l->shared_gate_up) {
+            if (l->shared_gate_up_kp != kp)
+                for (int64_t m = 0; m < M; m++)
+                    memcpy(qe + m * l->shared_gate_up_kp, qa + m * kp, (size_t)l->shared_gate_up_kp * sizeof(int16_t));
+            gated_mlp(md, l->shared_gate_up_kp != kp ? qe : qa, dqa, M, l->shared_gate_up, l->shared_gate_up_kp,
+                      l->shared_down, l->shared_down_kp, SI, gu, tmp, q2, dq2, eo, xsum);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            float g = 0.f;
+            if (l->shared_gate_up) {
+                const float *n = normed + m * H;
+                float sum = 0.f;
+                for (int64_t k = 0; k < H; k++) sum += n[k] * l->shared_gate[k];
+                g = 1.f / (1.f + expf(-sum));
+            }
+            float *r = x + m * H;
+            for (int64_t k = 0; k < H; k++) {
+                float y = slots[(m * K) * H + k];
+                for (int64_t s = 1; s < K; s++) y += slots[(m * K + s) * H + k];
+                if (l->shared_gate_up) y += g * eo[m * H + k];
+                r[k] += y;
+            }
+        }
+    }
+    free(normed), free(probs), free(weights), free(slots), free(gu), free(tmp), free(eo), free(dqa), free(dqe);
+    free(dq2), free(chosen), free(pairs), free(qa), free(qe), free(q2);
+    return ok;
+}
 
 /* One engine step: decoding sequences and prompt chunks alike, a row per new token.
  *
@@ -1059,6 +1185,15 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, out, H, lx);
         if (sandwich) rmsnorm_add(branch, M, H, l->attn_out_norm, l->out_eps, x);
+        if (l->experts) { /* no adapters nor output norms here (cpu_decode.py refuses them) */
+            if (!moe_block(md, l, M, x, xsum)) {
+                free(scores);
+                free(lx);
+                free(branch);
+                return 0;
+            }
+            continue;
+        }
         rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
         rk_linear(q, dq, M, l->gate_up_kp, l->gate_up, md->group, md->bits,
                   l->gate_up_bias, 2 * I, gate_up, 2 * I, 0, xsum);

@@ -9,6 +9,7 @@ so the router serves the folder as it serves any chat model.
 
     .venv/bin/python bench/random_checkpoint.py --out /tmp/moe           # Qwen3-MoE, 32 experts, 4 a token
     .venv/bin/python bench/random_checkpoint.py --out /tmp/moe --arch mixtral
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/oss --arch gpt_oss      # the same shape as gpt-oss
     .venv/bin/python bench/random_checkpoint.py --out /tmp/gemma3 --arch gemma3   # Gemma 3 270M's layers
     .venv/bin/python bench/engines.py --model /tmp/moe --skip llamacpp --levels 1,8,32
 """
@@ -30,7 +31,7 @@ GEMMA3_270M = dict(hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
-    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gemma3"], default="qwen3_moe")
+    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3"], default="qwen3_moe")
     p.add_argument("--hidden", type=int, default=1024, help="MoE: hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=12, help="MoE: decoder layers, every one sparse (default 12)")
     p.add_argument("--heads", type=int, default=16, help="MoE: query heads (default 16; 4 KV heads)")
@@ -52,6 +53,11 @@ def main() -> None:
     if args.arch == "mixtral":
         config = AutoConfig.for_model("mixtral", **common, **moe, intermediate_size=args.expert_size,
                                       num_local_experts=args.experts)
+        shape = f"{args.experts} experts ({args.top_k} a token) of {args.expert_size} in each of {args.layers} layers"
+    elif args.arch == "gpt_oss":  # sinks, a window of 128 on every other layer, YaRN; biased router and experts
+        config = AutoConfig.for_model("gpt_oss", **common, **moe, head_dim=args.hidden // args.heads,
+                                      intermediate_size=args.expert_size, num_local_experts=args.experts,
+                                      sliding_window=128)
         shape = f"{args.experts} experts ({args.top_k} a token) of {args.expert_size} in each of {args.layers} layers"
     elif args.arch == "qwen3_moe":
         config = AutoConfig.for_model("qwen3_moe", **common, **moe, head_dim=args.hidden // args.heads,

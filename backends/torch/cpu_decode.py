@@ -10,7 +10,7 @@ cache gather, attention, residual adds), and even one Python call per kernel (27
     (added to the residual; Gemma 2/3: normalised first) -> RMSNorm + quantize -> gate_up ->
     SiLU (GELU for Gemma) * up + quantize -> down_proj (added, the same way)
 
-(a mixture of experts' layer: ``moe_block`` in the MLP's place, see :meth:`CpuDecoder.knows`)
+(a mixture of experts' layer: ``moe_block`` in the MLP's place; gpt-oss's sinks in the attention)
 
 and the final norm and LM head for the rows that sample. Gemma's embedding factor and logit cap
 are applied here, around the call; its ``1 + weight`` norms reach C as their float32 factors.
@@ -43,7 +43,6 @@ from .scheduler import Scheduled, Step, StepRows
 
 if TYPE_CHECKING:
     from .lora import LoraAdapter
-    from .model import ModelSpec
     from .moe import SparseMoE
 
 PROMPT_POSITIONS = 65_536
@@ -87,14 +86,6 @@ class CpuDecoder:
     """Runs the steps :meth:`accepts` of ``model`` (all its linears :class:`~.quantize.PackedLinear`)
     in one C call each."""
 
-    @staticmethod
-    def knows(spec: ModelSpec) -> bool:
-        """Whether the C step computes this model's layers: every dense model's, and the mixtures
-        of experts whose routers softmax over every expert, without biases, experts of a plain
-        gated MLP (Mixtral, Qwen2-MoE, Qwen3-MoE); not gpt-oss's."""
-        return not (spec.softmax_top_k or spec.router_bias or spec.expert_bias or spec.clamped_swiglu
-                    or (spec.is_moe and spec.sandwich_norms))
-
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         from .native import KV_KINDS, RkLayer, RkModel, kernels
 
@@ -103,8 +94,8 @@ class CpuDecoder:
         spec = model.spec
         if spec.head_dim % 2:
             raise ValueError(f"head_dim {spec.head_dim} is not supported by the CPU decode kernels")
-        if not self.knows(spec):
-            raise ValueError("CpuDecoder knows the experts of Mixtral, Qwen2-MoE and Qwen3-MoE, not gpt-oss's")
+        if spec.is_moe and spec.sandwich_norms:  # no such model; moe_block has no output norms
+            raise ValueError("CpuDecoder has no output norms around a mixture of experts")
         # The routers stay float32 linears (moe.ROUTERS); C reads their weights as floats.
         routers = {id(getattr(m, r)) for m in model.modules() if isinstance(m, SparseMoE) for r in ROUTERS}
         if any(isinstance(m, torch.nn.Linear) and id(m) not in routers for m in model.modules()):
@@ -154,6 +145,7 @@ class CpuDecoder:
                 q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm),
                 qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
                 cos=cos, sin=sin, attn_out_norm=norm(layer.attn_out_norm), mlp_out_norm=norm(layer.mlp_out_norm),
+                sinks=f32(attn.sinks) if attn.sinks is not None else None,
                 out_eps=layer.attn_out_norm.eps if layer.attn_out_norm is not None else 0.0,
             )
         self._layers = layers
@@ -174,25 +166,32 @@ class CpuDecoder:
         self.serves_adapters = False
 
     def _experts(self, moe: "SparseMoE") -> dict:
-        """``rk_layer``'s fields for a mixture of experts: the float32 router (and shared expert
-        gate), each expert's packed gate_up and down, in one pointer array kept here."""
-        import ctypes
+        """``rk_layer``'s fields for a mixture of experts: the float32 router (its bias, the shared
+        expert's gate), each expert's packed gate_up and down with their biases, in arrays kept
+        here; how the weights come (``routing``) and gpt-oss's clamp."""
+        from .native import RkExpert
+
+        def expert(mlp) -> RkExpert:
+            (gu, gu_b), (down, down_b) = mlp.gate_up_proj.pointers, mlp.down_proj.pointers
+            return RkExpert(gu, down, gu_b, down_b)
 
         first = moe.experts[0]
-        pointers = (ctypes.c_void_p * (2 * moe.num_experts))(
-            *(lin.pointers[0] for e in moe.experts for lin in (e.gate_up_proj, e.down_proj))
-        )
-        self._keep_arrays.append(pointers)
+        experts = (RkExpert * moe.num_experts)(*(expert(e) for e in moe.experts))
+        self._keep_arrays.append(experts)
+        alpha, limit = first.clamp if first.clamp is not None else (0.0, 0.0)
         fields = dict(
-            router=_float_pointer(moe.gate.weight, self._keep), experts=pointers, num_experts=moe.num_experts,
-            top_k=moe.top_k, expert_inter=first.down_proj.in_features, normalize=int(moe.normalize),
+            router=_float_pointer(moe.gate.weight, self._keep),
+            router_bias=_float_pointer(moe.gate.bias, self._keep) if moe.gate.bias is not None else None,
+            experts=experts, num_experts=moe.num_experts, top_k=moe.top_k, expert_inter=first.down_proj.in_features,
             expert_gate_up_kp=first.gate_up_proj.padded_in_features, expert_down_kp=first.down_proj.padded_in_features,
+            routing=2 if moe.softmax_top_k else int(moe.normalize), clamp_alpha=alpha, clamp_limit=limit,
         )
         shared = moe.shared_expert
         if shared is not None:
+            one = (RkExpert * 1)(expert(shared))
+            self._keep_arrays.append(one)
             fields.update(
-                shared_gate_up=shared.gate_up_proj.pointers[0], shared_down=shared.down_proj.pointers[0],
-                shared_gate=_float_pointer(moe.shared_expert_gate.weight, self._keep),
+                shared=one, shared_gate=_float_pointer(moe.shared_expert_gate.weight, self._keep),
                 shared_inter=shared.down_proj.in_features, shared_gate_up_kp=shared.gate_up_proj.padded_in_features,
                 shared_down_kp=shared.down_proj.padded_in_features,
             )

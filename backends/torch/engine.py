@@ -188,13 +188,11 @@ class TorchEngine:
         )
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
-        # Steps that decode or compute short prompts: one C call, for dense models and the
-        # mixtures of experts it knows; gpt-oss's steps run as torch operations (the experts'
-        # packed matmuls in C).
+        # Steps that decode or compute short prompts: one C call (mixtures of experts included).
         if options.weight_format in ("int8", "int4"):
             from .cpu_decode import CpuDecoder
 
-            decoder = CpuDecoder(self.model, self.kv) if CpuDecoder.knows(spec) else None
+            decoder = CpuDecoder(self.model, self.kv)
         self.adapters = None  # lora.Adapters once the first adapter loads
         self._decoder = decoder
         for name, path in options.lora_modules.items():  # after the C decoder read the packed projections

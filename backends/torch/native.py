@@ -28,12 +28,18 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 12
+ABI = 13
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class RkExpert(ctypes.Structure):
+    """``rk_expert``: one expert's packed gate_up and down, and their biases (0: none)."""
+
+    _fields_ = [("gate_up", _P), ("down", _P), ("gate_up_bias", _P), ("down_bias", _P)]
 
 
 class RkLayer(ctypes.Structure):
@@ -47,11 +53,11 @@ class RkLayer(ctypes.Structure):
         ("k_cache", _P), ("v_cache", _P),
         ("window", _I), ("q_norm", _P), ("k_norm", _P), ("qk_eps", ctypes.c_float),
         ("cos", _P), ("sin", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P), ("out_eps", ctypes.c_float),
-        ("router", _P), ("experts", ctypes.POINTER(_P)),
+        ("sinks", _P),
+        ("router", _P), ("router_bias", _P), ("experts", ctypes.POINTER(RkExpert)), ("shared", ctypes.POINTER(RkExpert)),
         ("num_experts", _I), ("top_k", _I), ("expert_inter", _I), ("expert_gate_up_kp", _I), ("expert_down_kp", _I),
-        ("normalize", ctypes.c_int),
-        ("shared_gate_up", _P), ("shared_down", _P), ("shared_gate", _P),
-        ("shared_inter", _I), ("shared_gate_up_kp", _I), ("shared_down_kp", _I),
+        ("routing", ctypes.c_int), ("clamp_alpha", ctypes.c_float), ("clamp_limit", ctypes.c_float),
+        ("shared_gate", _P), ("shared_inter", _I), ("shared_gate_up_kp", _I), ("shared_down_kp", _I),
     ]
 
 

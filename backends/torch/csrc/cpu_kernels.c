@@ -41,7 +41,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 12; }
+int rk_abi(void) { return 13; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -388,11 +388,13 @@ static inline __attribute__((always_inline)) void weighted_values(
  * softcap tanh(score / softcap) before the softmax (Gemma 2). */
 static inline __attribute__((always_inline)) void attend(
     const float *q, int64_t nh, const void *k_cache, const void *v_cache, const int64_t *tab, int64_t start,
-    int64_t end, int64_t bs, int64_t stride, int64_t kvh, int64_t D, float scale, float softcap, float *s, int64_t ss,
-    float *o, const int kind) {
+    int64_t end, int64_t bs, int64_t stride, int64_t kvh, int64_t D, float scale, float softcap, const float *sinks,
+    float *s, int64_t ss, float *o, const int kind) {
     const int64_t esize = kind == RK_F32 ? 4 : 2;
     float mx[RK_SHARE], inv[RK_SHARE];
-    for (int64_t g = 0; g < nh; g++) mx[g] = -INFINITY;
+    /* gpt-oss's sinks: each head's learned logit joins its softmax (in the maximum and the sum)
+     * and takes its share of no value. */
+    for (int64_t g = 0; g < nh; g++) mx[g] = sinks ? sinks[g] : -INFINITY;
     for (int64_t p = start; p < end;) { /* a block's run of positions at a time */
         const int64_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
         const int64_t at = (tab[p / bs] * bs + off) * stride + kvh * D;
@@ -438,6 +440,7 @@ static inline __attribute__((always_inline)) void attend(
             sg[p] = expf(sg[p] - mx[g]);
             total += sg[p];
         }
+        if (sinks) total += expf(sinks[g] - mx[g]);
         inv[g] = 1.f / total;
     }
     memset(o, 0, (size_t)(nh * D) * sizeof(float));
@@ -481,8 +484,8 @@ static inline __attribute__((always_inline)) void attend(
 static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
                       const float *cos, const float *ssin, void *k_cache, void *v_cache, const int64_t *slot,
                       const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t bs,
-                      int64_t window, float scale, float softcap, int64_t max_len, int kind, float *scratch,
-                      float *out) {
+                      int64_t window, float scale, float softcap, const float *sinks, int64_t max_len, int kind,
+                      float *scratch, float *out) {
     const int64_t group = H / KVH, stride = KVH * D;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * qs;
@@ -509,12 +512,16 @@ static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH,
         const int64_t *tab = table + tab_of[m] * tw;
         const int64_t end = len[m], start = window > 0 && end > window ? end - window : 0;
         float *s = scratch + thread_index() * RK_SHARE * max_len, *o = out + m * H * D + h * D;
+        const float *sk = sinks ? sinks + h : NULL;
         if (kind == RK_F16)
-            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, s, max_len, o, RK_F16);
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, sk, s, max_len, o,
+                   RK_F16);
         else if (kind == RK_BF16)
-            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, s, max_len, o, RK_BF16);
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, sk, s, max_len, o,
+                   RK_BF16);
         else
-            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, s, max_len, o, RK_F32);
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, sk, s, max_len, o,
+                   RK_F32);
     }
 }
 
@@ -526,7 +533,7 @@ int rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KV
     float *scratch = malloc((size_t)(rk_threads() * RK_SHARE * max_len) * sizeof(float));
     if (!scratch) return 0;
     attention(qkv, M, qs, H, KVH, D, pos, cos, ssin, k_cache, v_cache, slot, table, tw, tab_of, len, bs, window,
-              scale, softcap, max_len, kind, scratch, out);
+              scale, softcap, NULL, max_len, kind, scratch, out);
     free(scratch);
     return 1;
 }
@@ -980,6 +987,12 @@ static void lora_add(const rk_lora *table, int64_t adapters, int64_t layers, int
     }
 }
 
+/* One expert of a mixture: its packed gate_up and down, their biases (gpt-oss; NULL: none). */
+typedef struct {
+    const uint8_t *gate_up, *down;
+    const float *gate_up_bias, *down_bias;
+} rk_expert;
+
 /* A whole decode step, for the weights of one model (see cpu_decode.py, which fills these). */
 typedef struct {
     /* Every norm's factors are float32 per dimension: the weight, or Gemma's 1 + weight. */
@@ -996,15 +1009,19 @@ typedef struct {
     /* Gemma 2/3: norms of the attention's and the MLP's outputs before their residual adds; NULL: none */
     const float *attn_out_norm, *mlp_out_norm;
     float out_eps;
+    const float *sinks; /* gpt-oss: each query head's sink logit [heads]; NULL: none */
     /* A mixture of experts in the MLP's place (experts != NULL; gate_up and down unused): the router's
-     * float32 [num_experts, hidden] weights; experts[2e], experts[2e + 1]: expert e's packed gate_up
-     * [2 expert_inter] and down [hidden]; Qwen2-MoE's shared expert (shared_gate_up != NULL), which
-     * every token runs through, scaled by sigmoid(shared_gate . x). */
-    const float *router;
-    const uint8_t *const *experts;
+     * float32 [num_experts, hidden] weights (and gpt-oss's bias); each expert's packed gate_up
+     * [2 expert_inter] and down [hidden]; Qwen2-MoE's shared expert (NULL: none), which every token
+     * runs through, scaled by sigmoid(shared_gate . x). */
+    const float *router, *router_bias;
+    const rk_expert *experts, *shared;
     int64_t num_experts, top_k, expert_inter, expert_gate_up_kp, expert_down_kp;
-    int normalize; /* the chosen experts' weights renormalised to sum to 1 (Mixtral, Qwen's norm_topk_prob) */
-    const uint8_t *shared_gate_up, *shared_down;
+    /* How the top_k weights come: 0 softmax over every expert, then the top k; 1 the same,
+     * renormalised to sum to 1 (Mixtral, Qwen's norm_topk_prob); 2 the top k logits softmaxed
+     * among themselves (gpt-oss). */
+    int routing;
+    float clamp_alpha, clamp_limit; /* gpt-oss's experts' clamped SwiGLU (clamp_limit > 0) */
     const float *shared_gate;
     int64_t shared_inter, shared_gate_up_kp, shared_down_kp;
 } rk_layer;
@@ -1024,24 +1041,75 @@ typedef struct {
     int64_t num_adapters; /* entries of lora: a row whose adapter is above it is left as the base model's */
 } rk_model;
 
-/* One gated MLP over M rows already quantized for its gate_up (q, dq): gate_up -> activation ->
- * quantize -> down, written to out [M, H] (overwriting). gu: M * 2I floats, tmp: I floats, q2 and
- * dq2: M rows of down_kp, scratch of their own. */
-static void gated_mlp(const rk_model *md, const int16_t *q, const float *dq, int64_t M, const uint8_t *gate_up,
-                      int64_t gate_up_kp, const uint8_t *down, int64_t down_kp, int64_t I, float *gu, float *tmp,
-                      int16_t *q2, float *dq2, float *out, float *xsum) {
-    rk_linear(q, dq, M, gate_up_kp, gate_up, md->group, md->bits, NULL, 2 * I, gu, 2 * I, 0, xsum);
-    (md->act ? rk_gelu_tanh_mul_quantize : rk_silu_mul_quantize)(gu, M, I, 2 * I, tmp, down_kp, q2, dq2);
-    rk_linear(q2, dq2, M, down_kp, down, md->group, md->bits, NULL, md->hidden, out, md->hidden, 0, xsum);
+/* gpt-oss's experts' activation for rows [gate (I) | up (I)], quantized: the gate clamped to at most
+ * limit, up to within it, (up + 1) * gate * sigmoid(alpha * gate), in moe.py's order. tmp: I floats. */
+static void clamped_swiglu_quantize(const float *gu, int64_t M, int64_t I, int64_t gs, float alpha, float limit,
+                                    float *tmp, int64_t Kp, int16_t *q, float *dq) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * gs, *u = g + I;
+        for (int64_t i = 0; i < I; i++) {
+            const float gate = g[i] < limit ? g[i] : limit;
+            const float up = u[i] < -limit ? -limit : u[i] > limit ? limit : u[i];
+            tmp[i] = (up + 1.f) * (gate * (1.f / (1.f + expf(-(gate * alpha)))));
+        }
+        dq[m] = quantize_row(tmp, I, Kp, q + m * Kp);
+    }
+}
+
+/* One expert (a gated MLP) over M rows already quantized for its gate_up (q, dq): gate_up ->
+ * activation -> quantize -> down, written to out [M, H] (overwriting). gu: M * 2I floats, tmp: I
+ * floats, q2 and dq2: M rows of down_kp, scratch of their own. */
+static void expert_mlp(const rk_model *md, const rk_layer *l, const rk_expert *ex, const int16_t *q, const float *dq,
+                       int64_t M, int64_t gate_up_kp, int64_t down_kp, int64_t I, float *gu, float *tmp, int16_t *q2,
+                       float *dq2, float *out, float *xsum) {
+    rk_linear(q, dq, M, gate_up_kp, ex->gate_up, md->group, md->bits, ex->gate_up_bias, 2 * I, gu, 2 * I, 0, xsum);
+    if (l->clamp_limit > 0.f)
+        clamped_swiglu_quantize(gu, M, I, 2 * I, l->clamp_alpha, l->clamp_limit, tmp, down_kp, q2, dq2);
+    else
+        (md->act ? rk_gelu_tanh_mul_quantize : rk_silu_mul_quantize)(gu, M, I, 2 * I, tmp, down_kp, q2, dq2);
+    rk_linear(q2, dq2, M, down_kp, ex->down, md->group, md->bits, ex->down_bias, md->hidden, out, md->hidden, 0, xsum);
+}
+
+/* Row m's top_k experts into chosen[] (best first; the lower index first among equals, as
+ * torch.topk is stable on the CPU) and their weights (l->routing) from its router logits p [E]
+ * (overwritten). */
+static void route(const rk_layer *l, float *p, int64_t *chosen, float *weights) {
+    const int64_t E = l->num_experts, K = l->top_k;
+    if (l->routing != 2) { /* softmax over every expert first */
+        float top = -INFINITY, total = 0.f;
+        for (int64_t e = 0; e < E; e++) top = p[e] > top ? p[e] : top;
+        for (int64_t e = 0; e < E; e++) total += (p[e] = expf(p[e] - top));
+        for (int64_t e = 0; e < E; e++) p[e] /= total;
+    }
+    for (int64_t s = 0; s < K; s++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t t = 0; t < s; t++) taken |= chosen[t] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        chosen[s] = best;
+        weights[s] = p[best];
+    }
+    if (l->routing == 1) {
+        float sum = 0.f;
+        for (int64_t s = 0; s < K; s++) sum += weights[s];
+        for (int64_t s = 0; s < K; s++) weights[s] /= sum;
+    } else if (l->routing == 2) { /* the chosen logits softmaxed among themselves (weights[0] the largest) */
+        const float top = weights[0];
+        float total = 0.f;
+        for (int64_t s = 0; s < K; s++) total += (weights[s] = expf(weights[s] - top));
+        for (int64_t s = 0; s < K; s++) weights[s] /= total;
+    }
 }
 
 /* A mixture of experts' block over the residual x [M, H] (its output added to x), as
  * backends/torch/moe.py computes it: RMSNorm; the router's logits in float32 from the normalised
- * rows (unquantized: a rounding there changes which experts a row reaches); softmax over every
- * expert; the top_k best (the lower index first among equals, as torch.topk is stable on the CPU),
- * renormalised where the layer says; each expert's matmuls over exactly the rows routed to it;
- * each (row, slot) output times its weight kept apart, then the slots summed in order, plus the
- * shared expert. Returns 0 when its scratch cannot be allocated (nothing changed then). */
+ * rows (unquantized: a rounding there changes which experts a row reaches), plus gpt-oss's bias;
+ * the top_k experts and their weights (route); each expert's matmuls over exactly the rows
+ * routed to it; each (row, slot) output times its weight kept apart, then the slots summed in
+ * order, plus the shared expert. Returns 0 when its scratch cannot be allocated (nothing changed
+ * then). */
 static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x, float *xsum) {
     const int64_t H = md->hidden, E = l->num_experts, K = l->top_k, I = l->expert_inter, SI = l->shared_inter;
     const int64_t kp = l->expert_gate_up_kp > l->shared_gate_up_kp ? l->expert_gate_up_kp : l->shared_gate_up_kp;
@@ -1067,30 +1135,14 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
         rk_quantize_rows(normed, M, H, H, kp, qa, dqa); /* every expert's rows (kp: the widest gate_up) */
 #pragma omp parallel for schedule(static) if (M * E * H > 65536)
         for (int64_t m = 0; m < M; m++) {
-            float *p = probs + m * E, top = -INFINITY, total = 0.f;
+            float *p = probs + m * E;
             for (int64_t e = 0; e < E; e++) {
                 const float *w = l->router + e * H, *n = normed + m * H;
                 float sum = 0.f;
                 for (int64_t k = 0; k < H; k++) sum += n[k] * w[k];
-                p[e] = sum;
-                if (sum > top) top = sum;
+                p[e] = l->router_bias ? sum + l->router_bias[e] : sum;
             }
-            for (int64_t e = 0; e < E; e++) total += (p[e] = expf(p[e] - top));
-            for (int64_t e = 0; e < E; e++) p[e] /= total;
-            float chosen_sum = 0.f;
-            for (int64_t s = 0; s < K; s++) { /* the best not yet taken, the lower index among equals */
-                int64_t best = -1;
-                for (int64_t e = 0; e < E; e++) {
-                    int taken = 0;
-                    for (int64_t t = 0; t < s; t++) taken |= chosen[m * K + t] == e;
-                    if (!taken && (best < 0 || p[e] > p[best])) best = e;
-                }
-                chosen[m * K + s] = best;
-                weights[m * K + s] = p[best];
-                chosen_sum += p[best];
-            }
-            if (l->normalize)
-                for (int64_t s = 0; s < K; s++) weights[m * K + s] /= chosen_sum;
+            route(l, p, chosen + m * K, weights + m * K);
         }
         for (int64_t e = 0; e < E; e++) {
             int64_t count = 0;
@@ -1102,24 +1154,24 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
                 memcpy(qe + j * l->expert_gate_up_kp, qa + m * kp, (size_t)l->expert_gate_up_kp * sizeof(int16_t));
                 dqe[j] = dqa[m];
             }
-            gated_mlp(md, qe, dqe, count, l->experts[2 * e], l->expert_gate_up_kp, l->experts[2 * e + 1],
-                      l->expert_down_kp, I, gu, tmp, q2, dq2, eo, xsum);
+            expert_mlp(md, l, l->experts + e, qe, dqe, count, l->expert_gate_up_kp, l->expert_down_kp, I, gu, tmp, q2,
+                       dq2, eo, xsum);
             for (int64_t j = 0; j < count; j++) {
                 const float w = weights[pairs[j]], *src = eo + j * H;
                 float *dst = slots + pairs[j] * H;
                 for (int64_t k = 0; k < H; k++) dst[k] = src[k] * w;
             }
         }
-        if (l->shared_gate_up) {
+        if (l->shared) {
             if (l->shared_gate_up_kp != kp)
                 for (int64_t m = 0; m < M; m++)
                     memcpy(qe + m * l->shared_gate_up_kp, qa + m * kp, (size_t)l->shared_gate_up_kp * sizeof(int16_t));
-            gated_mlp(md, l->shared_gate_up_kp != kp ? qe : qa, dqa, M, l->shared_gate_up, l->shared_gate_up_kp,
-                      l->shared_down, l->shared_down_kp, SI, gu, tmp, q2, dq2, eo, xsum);
+            expert_mlp(md, l, l->shared, l->shared_gate_up_kp != kp ? qe : qa, dqa, M, l->shared_gate_up_kp,
+                       l->shared_down_kp, SI, gu, tmp, q2, dq2, eo, xsum);
         }
         for (int64_t m = 0; m < M; m++) {
             float g = 0.f;
-            if (l->shared_gate_up) {
+            if (l->shared) {
                 const float *n = normed + m * H;
                 float sum = 0.f;
                 for (int64_t k = 0; k < H; k++) sum += n[k] * l->shared_gate[k];
@@ -1129,7 +1181,7 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
             for (int64_t k = 0; k < H; k++) {
                 float y = slots[(m * K) * H + k];
                 for (int64_t s = 1; s < K; s++) y += slots[(m * K + s) * H + k];
-                if (l->shared_gate_up) y += g * eo[m * H + k];
+                if (l->shared) y += g * eo[m * H + k];
                 r[k] += y;
             }
         }
@@ -1179,8 +1231,8 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
         if (l->q_norm) head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
         attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, l->cos, l->sin, l->k_cache, l->v_cache, slot,
-                  table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, max_len, md->kv_kind,
-                  scores, attn);
+                  table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, max_len,
+                  md->kv_kind, scores, attn);
         rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, out, H, lx);

@@ -15,9 +15,12 @@ fbgemm's fp16 copy of the same weights, where one is kept (``quantize.large_batc
 
 ``--base REV`` adds a third table: this tree's C kernel against the one at a git revision
 (built from its source with the same flags, same packed weights), alternating, medians.
+``--builds NAME=FLAGS ...`` does the same for this tree's source built with other compiler
+flags (AVX2 alone against AVX2 with AVX-VNNI, say).
 
     .venv/bin/python bench/decode_kernels.py
     .venv/bin/python bench/decode_kernels.py --base 8c89b60 --rows 1,2,4,8,12
+    .venv/bin/python bench/decode_kernels.py --builds "avx2=-march=x86-64-v3" "avx-vnni=-march=x86-64-v3 -mavxvnni"
 """
 
 from __future__ import annotations
@@ -60,28 +63,49 @@ def against_base(rev: str, rows: list[int], int8: list[PackedLinear], int4: list
         source.write_bytes(subprocess.run(["git", "show", f"{rev}:backends/torch/csrc/cpu_kernels.c"], cwd=ROOT,
                                           check=True, capture_output=True).stdout)
         native.compile_library(Path(tmp) / "base.so", native._compiler(), native._FLAGS, source)
-        builds = {rev: native.load(Path(tmp) / "base.so"), "this tree": native.kernels()}
-        print(f"\nall projections of one step, {rev} against this tree (ms, median of {REPS + 2}, alternating):")
-        print(f"{'rows':>4} {'format':>6} " + " ".join(f"{name:>10}" for name in builds) + "   ratio")
-        for m in rows:
-            batch = {k: torch.randn(m, k) for k in (576, 1536)}
-            for name, lins in (("int8", int8), ("int4", int4)):
-                times: dict[str, list[float]] = {b: [] for b in builds}
-                for rep in range(REPS + 2):
-                    order = list(builds.items()) if rep % 2 == 0 else list(builds.items())[::-1]
-                    for build, k in order:
-                        start = time.perf_counter()
-                        for lin in lins:
-                            linear_with(k, lin, batch[lin.in_features])
-                        times[build].append(time.perf_counter() - start)
-                ms = [statistics.median(t) * 1e3 for t in times.values()]
-                print(f"{m:>4} {name:>6} " + " ".join(f"{t:>10.1f}" for t in ms) + f"   {ms[0] / ms[1]:.2f}x")
+        compare({rev: native.load(Path(tmp) / "base.so"), "this tree": native.kernels()}, rows, int8, int4)
+
+
+def against_flags(builds: list[str], rows: list[int], int8: list[PackedLinear], int4: list[PackedLinear]) -> None:
+    """This tree's C kernel built with other flags (``name=flags``), alternating."""
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = {}
+        for build in builds:
+            name, _, flags = build.partition("=")
+            path = Path(tmp) / f"{len(loaded)}.so"
+            native.compile_library(path, native._compiler(), ("-O3", *flags.split(), "-ffp-contract=off", "-shared", "-fPIC"))
+            loaded[name] = native.load(path)
+        compare(loaded, rows, int8, int4)
+
+
+def compare(builds: dict, rows: list[int], int8: list[PackedLinear], int4: list[PackedLinear]) -> None:
+    """Every projection of one step through each build, alternating, medians; the ratio of the
+    first build's time to the second's."""
+    first, second = list(builds)[:2]
+    print(f"\nall projections of one step, {first} against {second} (ms, median of {REPS + 2}, alternating):")
+    print(f"{'rows':>4} {'format':>6} " + " ".join(f"{name:>10}" for name in builds) + "   ratio")
+    for m in rows:
+        batch = {k: torch.randn(m, k) for k in (576, 1536)}
+        for name, lins in (("int8", int8), ("int4", int4)):
+            times: dict[str, list[float]] = {b: [] for b in builds}
+            for rep in range(REPS + 2):
+                order = list(builds.items()) if rep % 2 == 0 else list(builds.items())[::-1]
+                for build, k in order:
+                    start = time.perf_counter()
+                    for lin in lins:
+                        linear_with(k, lin, batch[lin.in_features])
+                    times[build].append(time.perf_counter() - start)
+            ms = [statistics.median(t) * 1e3 for t in times.values()]
+            print(f"{m:>4} {name:>6} " + " ".join(f"{t:>10.1f}" for t in ms) + f"   {ms[0] / ms[1]:.2f}x")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", help="also time the C kernel at this git revision against this tree's")
-    p.add_argument("--rows", default="1,2,4,8,12,16,32,64", help="rows for --base (default 1,2,4,8,12,16,32,64)")
+    p.add_argument("--builds", nargs="+", metavar="NAME=FLAGS",
+                   help="also time this tree's C kernel built with these compiler flags against each other")
+    p.add_argument("--rows", default="1,2,4,8,12,16,32,64",
+                   help="rows for --base and --builds (default 1,2,4,8,12,16,32,64)")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
@@ -133,6 +157,8 @@ def main() -> None:
             print(f"{m:>4} {fp16 * 1e3:>14.1f} {own * 1e3:>9.1f} {own4 * 1e3:>9.1f}")
         if args.base:
             against_base(args.base, [int(r) for r in args.rows.split(",")], int8, int4)
+        if args.builds:
+            against_flags(args.builds, [int(r) for r in args.rows.split(",")], int8, int4)
 
 
 if __name__ == "__main__":

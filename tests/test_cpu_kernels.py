@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,17 @@ from backends.torch.quantize import SMALL_BATCH, PackedLinear, pack_int4_weights
 X86 = platform.machine() in ("x86_64", "AMD64")
 # The AVX2 build is the native one where the CPU has no AVX-512 VNNI.
 BUILDS = ["native"] + (["portable"] if X86 else []) + (["avx2"] if X86 and native.kernels().simd == 2 else [])
-PORTABLE = {"portable": (("-march=x86-64",), 0), "avx2": (("-march=x86-64-v3",), 1)}
+PORTABLE = {"portable": (("-march=x86-64",), 0), "avx2": (("-march=x86-64-v3",), 1),
+            "avx-vnni": (("-march=x86-64-v3", "-mavxvnni"), 1)}
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether this machine's CPU lists ``flag`` (Linux's /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and flag in line.split() for line in text.splitlines())
 
 
 def portable_build(tmp_path_factory, name: str):
@@ -268,6 +279,20 @@ def test_the_vnni_loop_gives_the_avx2_loops_bits(avx2_build, bits):
     x = torch.randn(41, 1536)
     for rows in (1, 8, 16, 23, 41):
         assert torch.equal(linear_with(native.kernels(), lin, x[:rows]), linear_with(avx2, lin, x[:rows]))
+
+
+@pytest.mark.skipif(not (X86 and cpu_has("avx_vnni")), reason="the CPU has no AVX-VNNI")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_avx_vnni_loops_give_the_avx2_loops_bits(avx2_build, tmp_path_factory, bits):
+    # AVX-VNNI (the 256-bit vpdpwssd of Intel's client cores, which lack AVX-512) replaces each
+    # vpmaddwd and add of the AVX2 loops, narrow and wide: exact int32 sums, the same bits.
+    vnni = portable_build(tmp_path_factory, "avx-vnni")
+    assert vnni.avx_vnni and not avx2_build.avx_vnni
+    torch.manual_seed(7)
+    lin = PackedLinear(torch.nn.Linear(1536, 130, bias=True), bits)
+    x = torch.randn(41, 1536)
+    for rows in (1, 3, 8, 16, 17, 41):
+        assert torch.equal(linear_with(vnni, lin, x[:rows]), linear_with(avx2_build, lin, x[:rows]))
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -39,6 +39,17 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define RK_VNNI 1
 #endif
+/* acc + the products of w and b's int16 pairs, summed in pairs (exact: int16 inputs, int32 sums,
+ * no saturation): one vpdpwssd with AVX-VNNI (the VEX form of Intel's client cores since Alder
+ * Lake, which lack AVX-512), else vpmaddwd and an add. The same bits either way. The narrow loop
+ * only: in the wide one, whose few accumulators each take a product every step, vpdpwssd's
+ * latency (it waits for its accumulator, where vpmaddwd does not) made 16 to 64 rows 8-18%
+ * slower (bench/decode_kernels.py --builds, docs/benchmarks.md). */
+#if defined(__AVXVNNI__)
+#define MADD_ADD(acc, w, b) _mm256_dpwssd_avx_epi32((acc), (w), (b))
+#else
+#define MADD_ADD(acc, w, b) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (b)))
+#endif
 #endif
 
 int rk_abi(void) { return 13; }
@@ -64,6 +75,15 @@ int rk_simd(void) {
 #if defined(RK_VNNI)
     return 2;
 #elif defined(RK_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where the AVX2 loops multiply-add with AVX-VNNI's vpdpwssd (MADD_ADD), else 0. */
+int rk_avx_vnni(void) {
+#if defined(RK_AVX2) && defined(__AVXVNNI__)
     return 1;
 #else
     return 0;
@@ -570,7 +590,8 @@ static inline void store_rows(const float *res, int64_t rs, int64_t m, int64_t r
  * group's first input, row stride Kp): per row, each channel's int32 sum of products (channel c
  * in lane c). With AVX-512 VNNI one zmm holds two pair-steps of the tile (lanes 0-7 the first,
  * 8-15 the second), one vpdpwssd a row multiplies and adds both, and the halves are added at the
- * end; with AVX2 alone, vpmaddwd and an add per pair-step. The sums are exact either way. */
+ * end; with AVX2, vpmaddwd and an add per pair-step (MADD_ADD: one vpdpwssd with AVX-VNNI). The
+ * sums are exact either way. */
 static inline __attribute__((always_inline)) void group_sums(const uint8_t *u, int64_t G, const int bits,
                                                              const int16_t *x, int64_t Kp, const int R,
                                                              __m256i *sums) {
@@ -607,7 +628,7 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *u, i
             for (int r = 0; r < R; r++) {
                 int32_t pair;
                 memcpy(&pair, x + r * Kp + 2 * p, sizeof pair);
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(wv, _mm256_set1_epi32(pair)));
+                sums[r] = MADD_ADD(sums[r], wv, _mm256_set1_epi32(pair));
             }
         }
     } else {
@@ -620,8 +641,8 @@ static inline __attribute__((always_inline)) void group_sums(const uint8_t *u, i
                 int32_t p0, p1;
                 memcpy(&p0, x + r * Kp + 4 * p, sizeof p0);
                 memcpy(&p1, x + r * Kp + 4 * p + 2, sizeof p1);
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(lo, _mm256_set1_epi32(p0)));
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(hi, _mm256_set1_epi32(p1)));
+                sums[r] = MADD_ADD(sums[r], lo, _mm256_set1_epi32(p0));
+                sums[r] = MADD_ADD(sums[r], hi, _mm256_set1_epi32(p1));
             }
         }
     }

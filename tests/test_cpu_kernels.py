@@ -285,7 +285,8 @@ def test_the_vnni_loop_gives_the_avx2_loops_bits(avx2_build, bits):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_avx_vnni_loops_give_the_avx2_loops_bits(avx2_build, tmp_path_factory, bits):
     # AVX-VNNI (the 256-bit vpdpwssd of Intel's client cores, which lack AVX-512) replaces each
-    # vpmaddwd and add of the AVX2 loops, narrow and wide: exact int32 sums, the same bits.
+    # vpmaddwd and add of the AVX2 narrow loop (1, 3 and 8 rows here; from 16 both builds take
+    # the same wide loop): exact int32 sums, the same bits.
     vnni = portable_build(tmp_path_factory, "avx-vnni")
     assert vnni.avx_vnni and not avx2_build.avx_vnni
     torch.manual_seed(7)

@@ -13,7 +13,7 @@ import torch
 from backends.torch.loader import _language_model_weight, _safetensors_weights
 from backends.torch.model import ModelError, ModelSpec
 from router.engine import EngineRequest, SamplingParams
-from test_torch_engine import assert_greedy_matches_transformers, random_prompts, run, small_steps_engine
+from test_torch_engine import assert_greedy_matches_transformers, engine_for, random_prompts, run, small_steps_engine
 from test_torch_packed import counting_decoder
 from torch_models import _hf_model, tiny_checkpoint
 
@@ -133,14 +133,14 @@ def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     assert_c_steps_match_the_torch_path(checkpoints[arch], weight_format=fmt, kv_cache_dtype=kv)
 
 
-def assert_c_steps_match_the_torch_path(folder, **options):
-    """Four prompts at once, greedy, through the one C call per step (every step, some mixing
-    prompt chunks and decode rows) and through ``CausalLM.forward``: the same tokens, logprobs
-    within 0.02."""
-    prompts = random_prompts(2, (5, 23, 40, 11))
+def assert_c_steps_match_the_torch_path(folder, lengths=(5, 23, 40, 11), **options):
+    """Prompts of ``lengths`` at once, greedy, through the one C call per step (every step, some
+    mixing prompt chunks and decode rows) and through ``CausalLM.forward``: the same tokens,
+    logprobs within 0.02. ``options``: the engine's (16-token steps unless they say otherwise)."""
+    prompts = random_prompts(2, lengths)
     outputs = {}
     for kernels in (True, False):
-        engine = small_steps_engine(folder, **options)
+        engine = engine_for(folder, **{"block_size": 4, "max_batched_tokens": 16, **options})
         try:
             if kernels:
                 calls = counting_decoder(engine)

@@ -144,6 +144,9 @@ def test_c_steps_match_the_packed_torch_path(gpt_oss, fmt):
     softmax of the attention, the router's bias, the softmax of the top-k logits, the experts'
     biases and clamped SwiGLU (tokens; logprobs within 0.02, measured: at most 5e-5 apart)."""
     assert_c_steps_match_the_torch_path(gpt_oss, weight_format=fmt)
+    # A 300-token prompt in one step: the router's rows split between threads (300 x 4 experts x
+    # 64 above 65,536), each expert's rows in the wide matmul loop, the sinks over long rows.
+    assert_c_steps_match_the_torch_path(gpt_oss, lengths=(300, 9, 40), weight_format=fmt, max_batched_tokens=320)
 
 
 def test_spec_of_gpt_oss_20b():

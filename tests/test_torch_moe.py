@@ -105,6 +105,15 @@ def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt):
     assert_c_steps_match_the_torch_path(checkpoints[arch], weight_format=fmt)
 
 
+def test_c_steps_of_long_prompts_match_the_packed_torch_path(checkpoints):
+    """A 200-token prompt in one step with two short ones (the last finished beside decode
+    rows): the router's rows split between threads (rows x experts x hidden above 65,536) and
+    each expert's rows in the wide matmul loop (16 or more; about 50 each here), as a real
+    model's prompts have them."""
+    assert_c_steps_match_the_torch_path(checkpoints["qwen3_moe"], lengths=(200, 9, 60), weight_format="int4",
+                                        max_batched_tokens=256)
+
+
 def _config(arch, **changes):
     from transformers import AutoConfig
 

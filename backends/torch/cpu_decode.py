@@ -272,6 +272,6 @@ class CpuDecoder:
             logits.data_ptr(), adapter_t.data_ptr() if adapter_t is not None else None,
         )
         if not ok:
-            raise MemoryError("no memory for the scratch of this step (attention scores, adapter rows, output norms)")
+            raise MemoryError("no memory for the scratch of this step (attention scores, adapter rows, output norms, experts)")
         return self.model.softcap_logits(logits)
 

@@ -102,7 +102,7 @@ class CpuKernels:
         # LoRA: parts per projection and adapter (rk_lora entries), and the most rank of a part.
         self.lora_parts, self.lora_rank = lib.rk_lora_parts(), lib.rk_lora_rank()
         self.simd = lib.rk_simd()  # 0 scalar, 1 AVX2, 2 AVX2 and AVX-512 VNNI
-        self.avx_vnni = bool(lib.rk_avx_vnni())  # the AVX2 loops multiply-add with AVX-VNNI (256-bit)
+        self.avx_vnni = bool(lib.rk_avx_vnni())  # the AVX2 narrow loop multiply-adds with AVX-VNNI (256-bit)
         self.quantize_rows = lib.rk_quantize_rows
         self.quantize_rows.argtypes = [_P, _I, _I, _I, _I, _P, _P]
         self.quantize_rows.restype = None

@@ -81,9 +81,9 @@ int rk_simd(void) {
 #endif
 }
 
-/* 1 where the AVX2 loops multiply-add with AVX-VNNI's vpdpwssd (MADD_ADD), else 0. */
+/* 1 where the AVX2 narrow loop multiply-adds with AVX-VNNI's vpdpwssd (MADD_ADD), else 0. */
 int rk_avx_vnni(void) {
-#if defined(RK_AVX2) && defined(__AVXVNNI__)
+#if defined(RK_AVX2) && defined(__AVXVNNI__) && !defined(RK_VNNI) /* with AVX-512 VNNI the narrow loop is its own */
     return 1;
 #else
     return 0;
@@ -1069,7 +1069,7 @@ static void clamped_swiglu_quantize(const float *gu, int64_t M, int64_t I, int64
     for (int64_t m = 0; m < M; m++) {
         const float *g = gu + m * gs, *u = g + I;
         for (int64_t i = 0; i < I; i++) {
-            const float gate = g[i] < limit ? g[i] : limit;
+            const float gate = g[i] > limit ? limit : g[i]; /* a NaN stays NaN, as torch.clamp keeps it */
             const float up = u[i] < -limit ? -limit : u[i] > limit ? limit : u[i];
             tmp[i] = (up + 1.f) * (gate * (1.f / (1.f + expf(-(gate * alpha)))));
         }
@@ -1091,9 +1091,9 @@ static void expert_mlp(const rk_model *md, const rk_layer *l, const rk_expert *e
     rk_linear(q2, dq2, M, down_kp, ex->down, md->group, md->bits, ex->down_bias, md->hidden, out, md->hidden, 0, xsum);
 }
 
-/* Row m's top_k experts into chosen[] (best first; the lower index first among equals, as
- * torch.topk is stable on the CPU) and their weights (l->routing) from its router logits p [E]
- * (overwritten). */
+/* Row m's top_k experts into chosen[] (best first; the lower index first among exact equals,
+ * which torch.topk does not promise: an exact tie may pick another of the equal experts than the
+ * torch path) and their weights (l->routing) from its router logits p [E] (overwritten). */
 static void route(const rk_layer *l, float *p, int64_t *chosen, float *weights) {
     const int64_t E = l->num_experts, K = l->top_k;
     if (l->routing != 2) { /* softmax over every expert first */
@@ -1220,8 +1220,10 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
  * last row of a prompt's final chunk; the rows of other chunks only fill the cache. Scratch:
  * q [M, max kp] int16, dq [M], tmp [max(hidden, inter)], qkv, attn, gate_up (one row each per
  * token), xsum [M max kp / group]. row_adapter [M]: each row's LoRA adapter (0: none), or NULL when
- * no row has one. Out: logits [S, vocab]. Returns 0 (nothing computed) when the attention's, the
- * adapters' or the output norms' scratch cannot be allocated. */
+ * no row has one. Out: logits [S, vocab]. Returns 0 when the attention's, the adapters',
+ * the output norms' or a mixture of experts' scratch cannot be allocated: the step is then void
+ * (layers before a mixture of experts may have written their keys and values, which running the
+ * step again writes again). */
 int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, const int64_t *slot,
                    const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t max_len,
                    const int64_t *out_rows, int64_t S, int16_t *q, float *dq, float *tmp, float *qkv, float *attn,

@@ -87,9 +87,8 @@ class CpuDecoder:
     in one C call each."""
 
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
-        from .native import KV_KINDS, RkLayer, RkModel, kernels
-
         from .moe import ROUTERS, SparseMoE
+        from .native import KV_KINDS, RkLayer, RkModel, kernels
 
         spec = model.spec
         if spec.head_dim % 2:
@@ -272,6 +271,8 @@ class CpuDecoder:
             logits.data_ptr(), adapter_t.data_ptr() if adapter_t is not None else None,
         )
         if not ok:
-            raise MemoryError("no memory for the scratch of this step (attention scores, adapter rows, output norms, experts)")
+            raise MemoryError(
+                "no memory for the scratch of this step (attention scores, adapter rows, output norms, experts)"
+            )
         return self.model.softcap_logits(logits)
 

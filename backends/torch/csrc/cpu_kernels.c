@@ -157,14 +157,18 @@ static inline float rms_inv(const float *x, int64_t K, float eps) {
     return 1.f / sqrtf(ss / (float)K + eps);
 }
 
+/* One row's RMSNorm: out = weight * (r * rms_inv). */
+static inline void rmsnorm_row(const float *r, int64_t K, const float *weight, float eps, float *out) {
+    const float inv = rms_inv(r, K, eps);
+    for (int64_t k = 0; k < K; k++) out[k] = weight[k] * (r[k] * inv);
+}
+
 /* RMSNorm (x * rms_inv, times the weight), then quantized as rk_quantize_rows. tmp: K floats of
  * scratch. */
 void rk_rmsnorm_quantize(const float *x, int64_t M, int64_t K, int64_t xs, const float *weight, float eps,
                          float *tmp, int64_t Kp, int16_t *q, float *dq) {
     for (int64_t m = 0; m < M; m++) {
-        const float *r = x + m * xs;
-        const float inv = rms_inv(r, K, eps);
-        for (int64_t k = 0; k < K; k++) tmp[k] = weight[k] * (r[k] * inv);
+        rmsnorm_row(x + m * xs, K, weight, eps, tmp);
         dq[m] = quantize_row(tmp, K, Kp, q + m * Kp);
     }
 }
@@ -1147,12 +1151,7 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
     int ok = normed && probs && weights && slots && gu && tmp && eo && dqa && dqe && dq2 && chosen && pairs && qa &&
              qe && q2;
     if (ok) {
-        for (int64_t m = 0; m < M; m++) {
-            const float *r = x + m * H;
-            float *n = normed + m * H;
-            const float inv = rms_inv(r, H, l->eps2);
-            for (int64_t k = 0; k < H; k++) n[k] = l->ln2[k] * (r[k] * inv);
-        }
+        for (int64_t m = 0; m < M; m++) rmsnorm_row(x + m * H, H, l->ln2, l->eps2, normed + m * H);
         rk_quantize_rows(normed, M, H, H, kp, qa, dqa); /* every expert's rows (kp: the widest gate_up) */
 #pragma omp parallel for schedule(static) if (M * E * H > 65536)
         for (int64_t m = 0; m < M; m++) {

@@ -1259,7 +1259,7 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, out, H, lx);
         if (sandwich) rmsnorm_add(branch, M, H, l->attn_out_norm, l->out_eps, x);
-        if (l->experts) { /* no adapters nor output norms here (cpu_decode.py refuses them) */
+        if (l->experts) { /* no adapters (lora.py refuses experts') nor output norms (cpu_decode.py) here */
             if (!moe_block(md, l, M, x, xsum)) {
                 free(scores);
                 free(lx);

@@ -1,5 +1,5 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
+random Llama / SmolLM3 / Granite / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE) built from a config, no download."""
 
 from __future__ import annotations
@@ -109,6 +109,15 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                "original_max_position_embeddings": 128})
+    elif arch == "smollm3":  # layer 1 does not rotate (NoPE); tied, as SmolLM3-3B is
+        from transformers import SmolLM3Config
+
+        config = SmolLM3Config(**{**common, "tie_word_embeddings": True}, pad_token_id=0, no_rope_layer_interval=2)
+    elif arch == "granite":  # Granite 3's four multipliers, none of them 1, attention's apart from head_dim ** -0.5
+        from transformers import GraniteConfig
+
+        config = GraniteConfig(**common, pad_token_id=0, embedding_multiplier=2.0, attention_multiplier=0.1,
+                               residual_multiplier=0.5, logits_scaling=1.5)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -127,6 +136,11 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
+            if arch in ("smollm3", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
+                # Sharper attention, so that what shapes it shows: at 0.2, SmolLM3's rotary on a
+                # layer moves logprobs by 0.02, Granite's attention multiplier by 0.009; at 0.6 by
+                # 0.9 and 0.08.
+                p.mul_(3.0)
             if name.endswith(".sinks"):
                 p.add_(1.0)  # gpt-oss: sinks that take a fair share of each softmax
             if arch.startswith(("gemma2", "gemma3")) and name.endswith(("post_attention_layernorm.weight",

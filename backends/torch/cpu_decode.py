@@ -93,8 +93,8 @@ class CpuDecoder:
         spec = model.spec
         if spec.head_dim % 2:
             raise ValueError(f"head_dim {spec.head_dim} is not supported by the CPU decode kernels")
-        if spec.is_moe and spec.sandwich_norms:  # no such model; moe_block has no output norms
-            raise ValueError("CpuDecoder has no output norms around a mixture of experts")
+        if spec.is_moe and (spec.sandwich_norms or spec.residual_scale is not None):  # no such model
+            raise ValueError("CpuDecoder has no output norms nor residual scale around a mixture of experts")
         # The routers stay float32 linears (moe.ROUTERS); C reads their weights as floats.
         routers = {id(getattr(m, r)) for m in model.modules() if isinstance(m, SparseMoE) for r in ROUTERS}
         if any(isinstance(m, torch.nn.Linear) and id(m) not in routers for m in model.modules()):
@@ -132,7 +132,7 @@ class CpuDecoder:
             else:
                 (gu, gu_b), (down, down_b) = mlp.gate_up_proj.pointers, mlp.down_proj.pointers
                 gu_kp, down_kp, moe = mlp.gate_up_proj.padded_in_features, mlp.down_proj.padded_in_features, {}
-            cos, sin = local if attn.sliding else rope
+            cos, sin = (local if attn.sliding else rope) if attn.rotates else (None, None)
             layers[i] = RkLayer(
                 ln1=norm(layer.input_layernorm), ln2=norm(layer.post_attention_layernorm),
                 eps1=layer.input_layernorm.eps, eps2=layer.post_attention_layernorm.eps,
@@ -154,6 +154,7 @@ class CpuDecoder:
             heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             group=linears[0].group, vocab=head.out_features, block_size=kv.block_size,
             scale=spec.attention_scale, final_eps=model.norm.eps, softcap=spec.attn_softcap or 0.0,
+            residual_scale=spec.residual_scale or 1.0,
             act=int(spec.activation == "gelu_tanh"), layers=layers, final_norm=norm(model.norm),
             lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
             bits=model.layers[0].self_attn.qkv_proj.bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],
@@ -274,5 +275,5 @@ class CpuDecoder:
             raise MemoryError(
                 "no memory for the scratch of this step (attention scores, adapter rows, output norms, experts)"
             )
-        return self.model.softcap_logits(logits)
+        return self.model.final_logits(logits)
 

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral, Phi-3, Gemma 1/2/3, and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss) as plain torch modules.
+"""Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, Qwen2, Qwen3, Mistral, Phi-3, Gemma
+1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -11,6 +11,8 @@ block's output as well as its input, a query scale of its own, tanh soft caps on
 scores and logits (Gemma 2), and Gemma 3's second rotary base for its sliding-window layers.
 gpt-oss's are too: attention sinks (a learned logit per head in every softmax), and a mixture
 of experts routed by the softmax of its top-k logits, experts with biases and a clamped SwiGLU.
+SmolLM3's layers without rotary (NoPE) and Granite's multipliers (embeddings, attention scores,
+each block's output, logits) are flags too.
 Every forward pass works on a flat batch of tokens from many sequences at once (continuous
 batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
@@ -74,7 +76,8 @@ class ModelSpec:
     dense_layers: tuple[int, ...] = ()
     # Gemma. The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh form).
     activation: str = "silu"
-    embed_scale: float | None = None  # embeddings times this (sqrt(hidden_size)), in the model's dtype
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size); Granite: embedding_multiplier)
+    embed_scale_rounded: bool = False  # Gemma: the factor is rounded to the model's dtype first, as transformers does
     offset_norms: bool = False  # every RMSNorm scales by 1 + weight, in float32, rounded once after
     # Gemma 2/3: the attention's and the MLP's outputs are normalised too before the residual adds.
     sandwich_norms: bool = False
@@ -95,9 +98,15 @@ class ModelSpec:
     softmax_top_k: bool = False
     expert_bias: bool = False
     clamped_swiglu: tuple[float, float] | None = None
+    # SmolLM3: the layers whose queries and keys do not rotate (its no_rope_layers' zeros, "NoPE").
+    nope_layers: tuple[int, ...] = ()
+    # Granite: each block's output is multiplied by this before its residual add
+    # (residual_multiplier), and the logits are divided by logits_scaling; None: neither.
+    residual_scale: float | None = None
+    logits_scaling: float | None = None
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
-                 "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
+                 "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite")
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -240,6 +249,10 @@ class ModelSpec:
         for key, cap in softcaps.items():
             if cap is not None and not cap > 0:
                 raise ModelError(f"{key} {cap} must be a positive number")
+        granite = _granite_multipliers(cfg) if model_type == "granite" else {}
+        query_scale = granite.get("attention_multiplier")
+        if gemma and getattr(cfg, "query_pre_attn_scalar", None):
+            query_scale = cfg.query_pre_attn_scalar**-0.5
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -264,11 +277,11 @@ class ModelSpec:
             rotary_dim=rotary_dim,
             **_experts(cfg, model_type),
             activation=cls.ACTIVATIONS[act],
-            embed_scale=cfg.hidden_size**0.5 if gemma else None,
+            embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier"),
+            embed_scale_rounded=gemma,
             offset_norms=gemma,
             sandwich_norms=model_type in ("gemma2", "gemma3_text"),
-            query_scale=cfg.query_pre_attn_scalar**-0.5 if gemma and getattr(cfg, "query_pre_attn_scalar", None)
-            else None,
+            query_scale=query_scale,
             attn_softcap=softcaps["attn_logit_softcapping"],
             final_softcap=softcaps["final_logit_softcapping"],
             local_rope_theta=float(local.get("rope_theta", 10000.0)) if local is not None else None,
@@ -276,7 +289,36 @@ class ModelSpec:
             scaled_max_position=model_type == "gemma3_text",
             float_norms=gemma or model_type == "gpt_oss",
             attention_sinks=model_type == "gpt_oss",
+            nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
+            residual_scale=granite.get("residual_multiplier"),
+            logits_scaling=granite.get("logits_scaling"),
         )
+
+
+def _nope_layers(cfg: Any) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary: the zeros of ``no_rope_layers`` (one entry a layer; its
+    config fills them from ``no_rope_layer_interval`` when the checkpoint has none)."""
+    flags = getattr(cfg, "no_rope_layers", None)
+    if flags is None:
+        interval = int(getattr(cfg, "no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(cfg.num_hidden_layers)]
+    if len(flags) != cfg.num_hidden_layers:
+        raise ModelError(f"no_rope_layers has {len(flags)} entries; it needs one for each of the {cfg.num_hidden_layers} layers")
+    return tuple(i for i, rotates in enumerate(flags) if not rotates)
+
+
+def _granite_multipliers(cfg: Any) -> dict[str, float]:
+    """Granite's four factors, each checked positive; those at 1 (no change) left out."""
+    found = {}
+    for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+        value = getattr(cfg, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ModelError(f"{key} {value!r} must be a positive number")
+        if value != 1.0 or key == "attention_multiplier":  # 1 is a real scale for scores, not "none"
+            found[key] = float(value)
+    return found
 
 
 def _rope_scaling(rope: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
@@ -554,6 +596,7 @@ class Attention(nn.Module):
         self.softcap = spec.attn_softcap
         self.half = spec.head_dim // 2
         self.sliding = spec.window_of(layer) is not None
+        self.rotates = layer not in spec.nope_layers
         self.q_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
         self.k_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
@@ -564,8 +607,8 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        # Rotate q and k together: one set of ops for both.
-        qk = apply_rotary(qk, *rope, self.half)
+        if self.rotates:  # q and k together: one set of ops for both
+            qk = apply_rotary(qk, *rope, self.half)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
@@ -601,7 +644,8 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Norm, attention, residual add; norm, MLP, residual add. Gemma 2/3 also normalise each
-    block's output before its add (``attn_out_norm``, ``mlp_out_norm``)."""
+    block's output before its add (``attn_out_norm``, ``mlp_out_norm``); Granite scales it
+    (``residual_scale``)."""
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
@@ -611,6 +655,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()  # Llama's name for the MLP's input norm
         self.attn_out_norm = norm() if spec.sandwich_norms else None
         self.mlp_out_norm = norm() if spec.sandwich_norms else None
+        self.residual_scale = spec.residual_scale
         self.mlp: MLP | SparseMoE
         if spec.is_sparse(layer):
             self.mlp = SparseMoE(spec, lambda size: MLP(
@@ -621,9 +666,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), rope, meta)
-        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
+        x = x + self._branch(h, self.attn_out_norm)
         h = self.mlp(self.post_attention_layernorm(x))
-        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))
+        return x + self._branch(h, self.mlp_out_norm)
+
+    def _branch(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """A block's output as it joins the residual stream."""
+        if norm is not None:
+            return norm(h)
+        return h if self.residual_scale is None else h * self.residual_scale
 
 
 class CausalLM(nn.Module):
@@ -647,19 +698,22 @@ class CausalLM(nn.Module):
         self.local_rotary = Rotary(local, max_len) if local is not None else None
 
     def embed_scale(self, dtype: torch.dtype) -> float | None:
-        """Gemma's embedding factor rounded to ``dtype`` (transformers multiplies by it as a
-        tensor of the weights' dtype: sqrt(3072) = 55.43 is 55.5 in bfloat16); None: no factor."""
-        if self.spec.embed_scale is None:
-            return None
+        """The embeddings' factor: Granite's as it is, Gemma's rounded to ``dtype`` (transformers
+        multiplies by it as a tensor of the weights' dtype: sqrt(3072) = 55.43 is 55.5 in
+        bfloat16); None: no factor."""
+        if self.spec.embed_scale is None or not self.spec.embed_scale_rounded:
+            return self.spec.embed_scale
         scale = self._embed_scales.get(dtype)
         if scale is None:
             scale = self._embed_scales[dtype] = float(torch.tensor(self.spec.embed_scale).to(dtype))
         return scale
 
-    def softcap_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's cap on the logits (``cap * tanh(logits / cap)``); the logits as they are
-        without one."""
-        cap = self.spec.final_softcap
+    def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's output as the model gives it: Gemma 2's cap (``cap * tanh(logits /
+        cap)``), Granite's division by ``logits_scaling``; as it is for the others."""
+        cap, scaling = self.spec.final_softcap, self.spec.logits_scaling
+        if scaling is not None:
+            logits = logits / scaling
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @classmethod
@@ -696,7 +750,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, local if layer.self_attn.sliding else rope, meta)
         # Only rows that sample need the (large) vocabulary projection.
-        return self.softcap_logits(self.lm_head(self.norm(x[logits_rows])))
+        return self.final_logits(self.lm_head(self.norm(x[logits_rows])))
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor], loaded: Callable[[nn.Module], None] | None = None) -> None:
         """Copy weights named as in Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM (and the

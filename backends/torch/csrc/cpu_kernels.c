@@ -52,7 +52,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 13; }
+int rk_abi(void) { return 14; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -223,6 +223,12 @@ static void rmsnorm_add(const float *y, int64_t M, int64_t K, const float *weigh
         const float inv = rms_inv(r, K, eps);
         for (int64_t k = 0; k < K; k++) o[k] += weight[k] * (r[k] * inv);
     }
+}
+
+/* x [M, K] += y [M, K] * scale: Granite's scaled residual add (residual_multiplier), the product
+ * rounded before the sum as torch computes x + y * scale. */
+static void scaled_add(const float *y, int64_t M, int64_t K, float scale, float *x) {
+    for (int64_t i = 0; i < M * K; i++) x[i] += y[i] * scale;
 }
 
 /* The KV cache's element types (kv_cache_dtype): float32, or float16 and bfloat16 at half the
@@ -495,7 +501,8 @@ static inline __attribute__((always_inline)) void attend(
  * A decoding sequence is one row; a prompt chunk is one row per token, each with its own position
  * and length over the same table row, so it attends causally to the chunk's earlier tokens (every
  * row's keys are in the cache before any row attends).
- * cos, ssin: [max_len, D] tables (see model.Rotary). out [M, H D]. scratch: RK_SHARE * max_len
+ * cos, ssin: [max_len, D] tables (see model.Rotary); NULL: the layer does not rotate (SmolLM3's
+ * NoPE layers). out [M, H D]. scratch: RK_SHARE * max_len
  * floats for each of the rk_threads() threads. kind: the caches' element type (RK_F32, RK_F16,
  * RK_BF16).
  *
@@ -513,7 +520,7 @@ static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH,
     const int64_t group = H / KVH, stride = KVH * D;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * qs;
-        rotate(row, H + KVH, D, cos + pos[m] * D, ssin + pos[m] * D);
+        if (cos) rotate(row, H + KVH, D, cos + pos[m] * D, ssin + pos[m] * D);
         kv_store(k_cache, slot[m] * stride, row + H * D, stride, kind);
         kv_store(v_cache, slot[m] * stride, row + (H + KVH) * D, stride, kind);
     }
@@ -1030,7 +1037,8 @@ typedef struct {
     int64_t window; /* the layer's sliding window; 0: it attends to every position */
     const float *q_norm, *k_norm; /* Qwen3's and Gemma 3's [head_dim] per query / key head; NULL: none */
     float qk_eps;
-    const float *cos, *sin; /* the layer's rotary tables (Gemma 3's sliding layers have their own) */
+    /* the layer's rotary tables (Gemma 3's sliding layers have their own); NULL: none (NoPE) */
+    const float *cos, *sin;
     /* Gemma 2/3: norms of the attention's and the MLP's outputs before their residual adds; NULL: none */
     const float *attn_out_norm, *mlp_out_norm;
     float out_eps;
@@ -1055,6 +1063,7 @@ typedef struct {
     int64_t num_layers, hidden, inter, heads, kv_heads, head_dim, group, vocab, block_size;
     float scale, final_eps;
     float softcap; /* the attention scores' tanh cap (Gemma 2); 0: none */
+    float residual_scale; /* Granite: each block's output times this before its residual add; 1: none */
     int act; /* the gated MLP's activation: 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU) */
     const rk_layer *layers;
     const float *final_norm;
@@ -1234,18 +1243,19 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
     const int lora = md->lora && row_adapter;
     const int64_t L = md->num_layers, K_max = H > I ? (H > attn_size ? H : attn_size) : (I > attn_size ? I : attn_size);
     float *lx = lora ? malloc((size_t)(rk_threads() * K_max) * sizeof(float)) : NULL;
-    /* Gemma 2/3: a block's output is normalised before its add, so it lands here first. */
-    const int sandwich = md->layers[0].attn_out_norm != NULL;
-    float *branch = sandwich ? malloc((size_t)(M * H) * sizeof(float)) : NULL;
-    if ((lora && !lx) || (sandwich && !branch)) {
+    /* Gemma 2/3: a block's output is normalised before its add, Granite's scaled, so it lands
+     * here first. */
+    const int sandwich = md->layers[0].attn_out_norm != NULL, scaled = md->residual_scale != 1.f;
+    float *branch = sandwich || scaled ? malloc((size_t)(M * H) * sizeof(float)) : NULL;
+    if ((lora && !lx) || ((sandwich || scaled) && !branch)) {
         free(scores);
         free(lx);
         free(branch);
         return 0;
     }
     /* Where o_proj and down_proj write, and whether they add to it. */
-    float *out = sandwich ? branch : x;
-    const int add = !sandwich;
+    float *out = branch ? branch : x;
+    const int add = !branch;
     for (int64_t i = 0; i < md->num_layers; i++) {
         const rk_layer *l = md->layers + i;
         rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
@@ -1259,7 +1269,9 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, out, H, lx);
         if (sandwich) rmsnorm_add(branch, M, H, l->attn_out_norm, l->out_eps, x);
-        if (l->experts) { /* no adapters (lora.py refuses experts') nor output norms (cpu_decode.py) here */
+        else if (scaled) scaled_add(branch, M, H, md->residual_scale, x);
+        /* no adapters (lora.py refuses experts'), output norms nor residual scale (cpu_decode.py) here */
+        if (l->experts) {
             if (!moe_block(md, l, M, x, xsum)) {
                 free(scores);
                 free(lx);
@@ -1276,6 +1288,7 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
         rk_linear(q, dq, M, l->down_kp, l->down, md->group, md->bits, l->down_bias, H, out, H, add, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 3, row_adapter, q, dq, M, l->down_kp, I, out, H, lx);
         if (sandwich) rmsnorm_add(branch, M, H, l->mlp_out_norm, l->out_eps, x);
+        else if (scaled) scaled_add(branch, M, H, md->residual_scale, x);
     }
     free(scores);
     free(lx);

@@ -1,0 +1,107 @@
+"""Two Llama variants on the torch engine: SmolLM3 (layers without rotary, "NoPE") and Granite 3
+(multipliers on the embeddings, the attention scores, each block's output and the logits).
+Greedy output and prompt logprobs against transformers, the C step against the packed torch
+path, and what the configs say."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from backends.torch.model import ModelError, ModelSpec
+from test_torch_engine import assert_greedy_matches_transformers, engine_for, random_prompts, run
+from test_torch_gemma import assert_c_steps_match_the_torch_path, distance, hf_prompt_logprobs, prompt_logprobs
+from torch_models import tiny_checkpoint
+
+ARCHS = ["smollm3", "granite"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("variants")
+    return {arch: tiny_checkpoint(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arch):
+    # smollm3: layer 1 of 2 without rotary; granite: embeddings times 2, scores times 0.1 (not
+    # 16 ** -0.5), each block's output times 0.5, logits divided by 1.5.
+    assert_greedy_matches_transformers(checkpoints[arch])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,within", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3)])
+def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
+    # Greedy tokens cannot see Granite's logits_scaling (a division keeps their order);
+    # logprobs see it. Measured: about 1e-6 from transformers in float32, 5e-7 in bfloat16 (each
+    # step rounds where transformers rounds); leaving out any one of what these configs
+    # set moves some logprob by more than 0.05 (test_the_tiny_configs_exercise_what_they_set).
+    folder = checkpoints[arch]
+    prompt = random_prompts(7, (40,))[0]
+    engine = engine_for(folder, block_size=4, max_batched_tokens=16, dtype=str(dtype).removeprefix("torch."))
+    try:
+        got = run(prompt_logprobs(engine, prompt))
+    finally:
+        run(engine.stop())
+    assert distance(got, hf_prompt_logprobs(folder, prompt, dtype)) < within
+
+
+@pytest.mark.parametrize("arch,config", [
+    ("smollm3", {"no_rope_layers": [1, 1]}),
+    ("granite", {"embedding_multiplier": 1.0}),
+    ("granite", {"attention_multiplier": 0.25}),
+    ("granite", {"residual_multiplier": 1.0}),
+    ("granite", {"logits_scaling": 1.0}),
+])
+def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
+    # Each feature moves transformers' own float32 logprobs on these weights by 500 times what
+    # test_prompt_logprobs_match_transformers allows (measured: SmolLM3's NoPE layer 0.9;
+    # Granite's multipliers 0.14, 0.08, 0.14, 0.29): an engine ignoring it cannot pass that test.
+    folder = checkpoints[arch]
+    prompt = random_prompts(7, (40,))[0]
+    assert distance(hf_prompt_logprobs(folder, prompt), hf_prompt_logprobs(folder, prompt, **config)) > 0.05
+
+
+@pytest.mark.parametrize("arch,fmt,kv", [("smollm3", "int4", "auto"), ("smollm3", "int8", "bfloat16"),
+                                         ("granite", "int8", "auto"), ("granite", "int4", "float16")])
+def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
+    """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
+    in a branch and are added scaled) gives the packed torch path's tokens, logprobs within
+    0.02."""
+    assert_c_steps_match_the_torch_path(checkpoints[arch], weight_format=fmt, kv_cache_dtype=kv)
+
+
+def _config(model_type, **changes):
+    base = dict(model_type=model_type, vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                rope_theta=10000.0, tie_word_embeddings=True)
+    return SimpleNamespace(**{**base, **changes})
+
+
+def test_smollm3_nope_layers_from_the_config_or_its_interval():
+    assert ModelSpec.from_hf_config(_config("smollm3", no_rope_layers=[1, 1, 0, 1, 1, 1, 0, 0])).nope_layers == (2, 6, 7)
+    # Without the list, every 4th layer (SmolLM3-3B's shape), or the interval the config gives.
+    assert ModelSpec.from_hf_config(_config("smollm3")).nope_layers == (3, 7)
+    assert ModelSpec.from_hf_config(_config("smollm3", no_rope_layer_interval=2)).nope_layers == (1, 3, 5, 7)
+    with pytest.raises(ModelError, match="no_rope_layers has 3 entries; it needs one for each of the 8 layers"):
+        ModelSpec.from_hf_config(_config("smollm3", no_rope_layers=[1, 0, 1]))
+    assert ModelSpec.from_hf_config(_config("llama", no_rope_layers=[0] * 8)).nope_layers == ()  # not Llama's key
+
+
+def test_granite_multipliers_and_their_refusals():
+    s = ModelSpec.from_hf_config(_config("granite", embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                                         residual_multiplier=0.22, logits_scaling=16.0))
+    assert (s.embed_scale, s.attention_scale, s.residual_scale, s.logits_scaling) == (12.0, 0.0078125, 0.22, 16.0)
+    assert not s.embed_scale_rounded
+    # At 1 they change nothing, but the attention's 1 is a scale of 1 (not head_dim ** -0.5).
+    ones = ModelSpec.from_hf_config(_config("granite", embedding_multiplier=1, attention_multiplier=1,
+                                            residual_multiplier=1, logits_scaling=1))
+    assert (ones.embed_scale, ones.attention_scale, ones.residual_scale, ones.logits_scaling) == (None, 1.0, None, None)
+    for key, bad in (("logits_scaling", 0), ("residual_multiplier", -0.5), ("embedding_multiplier", "12")):
+        with pytest.raises(ModelError, match=f"{key} {bad!r} must be a positive number"):
+            ModelSpec.from_hf_config(_config("granite", **{key: bad}))
+    # Llama's config never reads them.
+    llama = ModelSpec.from_hf_config(_config("llama", logits_scaling=16.0, residual_multiplier=0.2))
+    assert (llama.logits_scaling, llama.residual_scale, llama.attention_scale) == (None, None, 16**-0.5)

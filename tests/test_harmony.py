@@ -142,7 +142,7 @@ def test_a_call_streams_its_arguments_as_written():
 # -- the grammar that forces a call -----------------------------------------------------------------
 
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
-tok = ByteTokenizer([*HARMONY_TOKENS, "[TOOL_CALLS]"])
+tok = ByteTokenizer([*HARMONY_TOKENS, "[TOOL_CALLS]", "<|tool_call|>"])
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +298,7 @@ def client():
     config = (b'[[models]]\nname="oss"\nbackend="harmony"\nreasoning_parser="openai_gptoss"\ntool_parser="openai"\n'
               b'[[models]]\nname="raw"\nbackend="harmony"\n'
               b'[[models]]\nname="mistral"\nbackend="harmony"\ntool_parser="mistral"\n'
+              b'[[models]]\nname="granite"\nbackend="harmony"\ntool_parser="granite"\n'
               b'[[models]]\nname="plain"\nbackend="plain"\n')
     with TestClient(create_app(parse_config(config, found.backends), found), raise_server_exceptions=False) as c:
         c.get("/health")
@@ -400,9 +401,10 @@ def test_harmony_takes_both_parsers(lines, bad):
     assert "models[0]" in str(e.value) and 'reasoning_parser = "openai_gptoss"' in str(e.value) and bad in str(e.value)
 
 
-def test_mistrals_call_marker_is_read_though_it_is_a_control_token(client):
-    script('[TOOL_CALLS][{"name": "get_time", "arguments": {}}]')
-    body = client.post("/v1/chat/completions", json=ask("mistral", tools=TOOLS)).json()
+@pytest.mark.parametrize("model,marker", [("mistral", "[TOOL_CALLS]"), ("granite", "<|tool_call|>")])
+def test_a_call_marker_is_read_though_it_is_a_control_token(client, model, marker):
+    script(marker + '[{"name": "get_time", "arguments": {}}]')
+    body = client.post("/v1/chat/completions", json=ask(model, tools=TOOLS)).json()
     assert body["choices"][0]["finish_reason"] == "tool_calls"
     assert [c["function"] for c in body["choices"][0]["message"]["tool_calls"]] == [{"name": "get_time", "arguments": "{}"}]
     # ... which the text drops by default

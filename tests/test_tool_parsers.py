@@ -1,7 +1,8 @@
 """Tool-call parsers: streamed model text to content and ``tool_calls``, and their grammars.
 
 The samples are written the way the models write them (Qwen2.5-7B-Instruct for hermes,
-Llama-3.1-8B-Instruct for llama3_json, Mistral-7B-Instruct-v0.3 for mistral). Every sample is
+Llama-3.1-8B-Instruct for llama3_json, Mistral-7B-Instruct-v0.3 for mistral, granite-3 chat
+templates for granite). Every sample is
 also fed in random splits and one character at a time: the result must not depend on the split,
 which with content only ever growing also means no piece of markup was ever shown.
 """
@@ -143,6 +144,13 @@ UNICODE = (
     "</tool_call>\nDanach: ✓"
 )
 NOT_A_MARKER = "Arrays look like [1, 2] and [TOOL is not a marker."
+GRANITE_ONE = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+GRANITE_TWO = (
+    '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "search", "arguments": {"q": "Paris events"}}]'
+)
+GRANITE_SPELLED = 'Checking.\n<tool_call>[{"name": "get_time", "arguments": {}}]'
+GRANITE_NOT_A_MARKER = "Tags like <tool> and <|tool|> and [TOOL_CALLS] are not Granite's marker."
 
 SAMPLES = [
     ("hermes", QWEN_ONE, "", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
@@ -165,6 +173,10 @@ SAMPLES = [
     ("mistral", MISTRAL_TWO, "", [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "Paris events"}')]),
     ("mistral", MISTRAL_TEXT_FIRST, "Let me check that.", [("get_weather", '{"city": "Paris"}')]),
     ("mistral", NOT_A_MARKER, NOT_A_MARKER, []),
+    ("granite", GRANITE_ONE, "", [("get_weather", '{"city": "Paris"}')]),
+    ("granite", GRANITE_TWO, "", [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "Paris events"}')]),
+    ("granite", GRANITE_SPELLED, "Checking.", [("get_time", "{}")]),
+    ("granite", GRANITE_NOT_A_MARKER, GRANITE_NOT_A_MARKER, []),
 ]
 SAMPLE_IDS = [f"{fmt}-{i}" for i, (fmt, *_) in enumerate(SAMPLES)]
 
@@ -196,6 +208,7 @@ def test_random_splits_give_the_same_result(fmt, text, content, pairs):
 
 @pytest.mark.parametrize("fmt,text", [
     ("hermes", QWEN_NESTED), ("hermes", UNICODE), ("llama3_json", LLAMA_TAG), ("mistral", MISTRAL_TWO),
+    ("granite", GRANITE_TWO),
 ])
 def test_arguments_stream_as_soon_as_written(fmt, text):
     """After each character, the arguments sent so far are exactly the arguments value written
@@ -243,7 +256,8 @@ def test_arguments_before_name_wait_for_the_name(fmt, text):
 # -- content and markup ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt,marker", [("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]")])
+@pytest.mark.parametrize("fmt,marker", [("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"),
+                                        ("granite", "<|tool_call|>"), ("granite", "<tool_call>")])
 def test_a_split_marker_is_held_back_then_consumed(fmt, marker):
     parser = get_parser(fmt)(TOOLS)
     assert parser.push("Checking " + marker[:4]).content == "Checking"
@@ -252,7 +266,8 @@ def test_a_split_marker_is_held_back_then_consumed(fmt, marker):
 
 
 @pytest.mark.parametrize("fmt,almost", [
-    ("hermes", "<tool_c"), ("mistral", "[TOOL_CA"), ("llama3_json", "<|python"),
+    ("hermes", "<tool_c"), ("mistral", "[TOOL_CA"), ("llama3_json", "<|python"), ("granite", "<|tool_ca"),
+    ("granite", "<tool_ca"),
 ])
 def test_a_partial_marker_at_the_end_is_content(fmt, almost):
     parser = get_parser(fmt)(TOOLS)
@@ -481,10 +496,10 @@ def test_nothing_after_finish():
 
 
 def test_registry():
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "granite"}
     for name, cls in PARSERS.items():
         assert get_parser(name) is cls and cls.name == name
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="granite, hermes, llama3_json, mistral"):
         get_parser("qwen3_xml")
 
 
@@ -537,6 +552,7 @@ WRAP = {
     "hermes": lambda *b: "\n".join(hermes_call(x) for x in b),
     "llama3_json": lambda *b: "; ".join(llama_call(x) for x in b),
     "mistral": mistral_calls,
+    "granite": lambda *b: "<|tool_call|>[" + ", ".join(b) + "]",
 }
 PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 PARIS_C = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -628,7 +644,8 @@ def test_grammar_text_for_one_tool():
 # -- any text, any split ----------------------------------------------------------------------------
 
 PIECES = [
-    "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<tool", "[TOOL", "<|py",
+    "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", "<tool", "[TOOL", "<|py",
+    "<|tool",
     "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', '"get_time"', '"search"', ": ", ", ",
     ";", " ", "\n", "x", "\\", '"', "<", "1", "true", "é", "🌧",
 ]
@@ -695,7 +712,8 @@ def random_reply(fmt: str, rng: random.Random) -> tuple[str, list[tuple[str, dic
     elif fmt == "llama3_json":
         text = rng.choice(["", "<|python_tag|>"]) + "; ".join(objects)
     else:
-        text = rng.choice(["", "Calling: "]) + "[TOOL_CALLS]" + ws() + "[" + ", ".join(objects) + "]"
+        marker = rng.choice(["<|tool_call|>", "<tool_call>"]) if fmt == "granite" else "[TOOL_CALLS]"
+        text = rng.choice(["", "Calling: "]) + marker + ws() + "[" + ", ".join(objects) + "]"
     return text, [(name, args) for name, args in calls]
 
 
@@ -712,3 +730,25 @@ def test_random_replies(fmt):
         at = rng.randrange(len(text))
         damaged = text[:at] + rng.choice(["", *PIECES]) + text[at + 1:]
         same_for_every_split(fmt, damaged, i)
+
+
+# -- templates without tools ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+def test_injected_calls_are_written_so_that_the_parser_reads_them_back(fmt):
+    from router.tools.inject import inject
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
+             {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]
+    messages = [{"role": "user", "content": "Weather and time?"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+    system, user, assistant = inject(messages, TOOLS, fmt)
+    assert system["role"] == "system" and '{"name": "get_weather"' in system["content"] and user == messages[0]
+    assert "tool_calls" not in assistant
+    # The instructions' example is in the parser's format: its markup read as a call (Llama's
+    # untagged JSON is a call only when it names one of the tools, which "<function name>" is not).
+    example = system["content"].split("nothing else:\n", 1)[1]
+    assert whole(fmt, example.replace("<function name>", "get_time")).content == ""
+    r = whole(fmt, assistant["content"])
+    assert r.content == "" and [(n, json.loads(a)) for n, a in r.pairs] == [("get_weather", {"city": "Zürich"}),
+                                                                          ("get_time", {})]

@@ -6,20 +6,22 @@ config can name to the parser classes. A parser is one generation's state: make 
 choice.
 
 The parsers read the markers as text: ``<|python_tag|>`` (Llama) and ``[TOOL_CALLS]`` (Mistral)
-are control tokens, so the text fed to a parser must spell them out. A parser whose format needs
-that says so (``reads_control_tokens``: Mistral's), and the choice's detokenizer keeps control
-tokens; Llama's parser reads the text without them (its tag-less fallback).
+are control tokens, and ``<|tool_call|>`` (Granite) may be one, so the text fed to a parser must
+spell them out. A parser whose format needs that says so (``reads_control_tokens``: Mistral's and
+Granite's), and the choice's detokenizer keeps control tokens; Llama's parser reads the text
+without them (its tag-less fallback).
 """
 
 from __future__ import annotations
 
 from .base import ParsedDelta, ToolCall, ToolCallDelta, ToolParser
+from .granite import GraniteParser
 from .hermes import HermesParser
 from .llama3_json import Llama3JsonParser
 from .mistral import MistralParser
 
 PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)
+    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, GraniteParser)
 }
 """Tool-call formats by name."""
 
@@ -35,6 +37,7 @@ def get_parser(name: str) -> type[ToolParser]:
 
 __all__ = [
     "PARSERS",
+    "GraniteParser",
     "HermesParser",
     "Llama3JsonParser",
     "MistralParser",

@@ -23,7 +23,11 @@ EXAMPLES = {
     "hermes": '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>',
     "llama3_json": '{"name": "<function name>", "parameters": {<arguments as JSON>}}',
     "mistral": '[TOOL_CALLS][{"name": "<function name>", "arguments": {<arguments as JSON>}}]',
+    "granite": '<|tool_call|>[{"name": "<function name>", "arguments": {<arguments as JSON>}}]',
 }
+
+SEPARATORS = {"llama3_json": "; "}
+"""What joins several calls of one message, where a format's parser needs more than a line break."""
 
 _USES_TOOLS = re.compile(r"\btools\b")
 
@@ -38,8 +42,9 @@ def call_as_text(call: dict[str, Any], parser: str) -> str:
     arguments = function.get("arguments", {})
     if parser == "llama3_json":
         return json.dumps({"name": function.get("name"), "parameters": arguments}, ensure_ascii=False)
-    if parser == "mistral":
-        return "[TOOL_CALLS]" + json.dumps([{"name": function.get("name"), "arguments": arguments}], ensure_ascii=False)
+    if parser in ("mistral", "granite"):
+        marker = "[TOOL_CALLS]" if parser == "mistral" else "<|tool_call|>"
+        return marker + json.dumps([{"name": function.get("name"), "arguments": arguments}], ensure_ascii=False)
     return "<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
@@ -54,7 +59,7 @@ def inject(messages: list[dict[str, Any]], tools: list[dict[str, Any]], parser: 
         out.insert(0, {"role": "system", "content": text})
     for m in out:
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(call_as_text(c, parser) for c in m["tool_calls"])
+            calls = SEPARATORS.get(parser, "\n").join(call_as_text(c, parser) for c in m["tool_calls"])
             m["content"] = ((m.get("content") or "") + "\n" + calls).strip()
             del m["tool_calls"]
     return out

@@ -17,18 +17,21 @@ def partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-def split_content(text: str, marker: str, final: bool) -> tuple[str, int, bool]:
-    """Split off the content at the start of ``text``, up to ``marker``.
+def split_content(text: str, marker: str | tuple[str, ...], final: bool) -> tuple[str, int, bool]:
+    """Split off the content at the start of ``text``, up to ``marker`` (or the first of
+    several markers, whichever comes first).
 
     Returns the content that is safe to show, how many characters of ``text`` are used up
     (the content and, when found, the marker) and whether the marker was found. Whitespace at
     the end is held back unless the marker follows it (the caller decides what layout is). At
     the end of generation (``final``) nothing is held back: all of ``text`` is content.
     """
-    at = text.find(marker)
-    if at >= 0:
-        return text[:at], at + len(marker), True
+    markers = (marker,) if isinstance(marker, str) else marker
+    found = [(at, -len(m)) for m in markers if (at := text.find(m)) >= 0]
+    if found:
+        at, longest = min(found)
+        return text[:at], at - longest, True
     if final:
         return text, len(text), False
-    safe = text[: len(text) - partial_marker(text, marker)].rstrip()
+    safe = text[: len(text) - max(partial_marker(text, m) for m in markers)].rstrip()
     return safe, len(safe), False

@@ -12,6 +12,8 @@ is dropped. A call cut off by max_tokens keeps the arguments already sent too.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from .base import ToolParser
 from .grammar import call_object_rules, lark_literal, repeated
 from .markers import split_content
@@ -28,6 +30,8 @@ class MistralParser(ToolParser):
 
     name = "mistral"
     reads_control_tokens = True  # [TOOL_CALLS]
+    markers: ClassVar[tuple[str, ...]] = (TOOL_CALLS,)
+    """What opens the calls; the first is what the grammar writes."""
 
     def __init__(self, tools: list[dict]) -> None:
         super().__init__(tools)
@@ -41,7 +45,7 @@ class MistralParser(ToolParser):
             if state == _CONTENT:
                 if not self._buf:
                     return
-                text, used, found = split_content(self._buf, TOOL_CALLS, final)
+                text, used, found = split_content(self._buf, self.markers, final)
                 self._content(text, before_markup=found)
                 self._buf = self._buf[used:]
                 if not found:
@@ -93,4 +97,4 @@ class MistralParser(ToolParser):
     def grammar(cls, tools: list[dict], choice: str | None, parallel: bool) -> str:
         # json.dumps's layout of the list, as mistral-common writes calls in the history.
         calls = repeated("call_object", ", ", parallel)
-        return f'start: {lark_literal(TOOL_CALLS + "[")} {calls} "]"\n' + call_object_rules(tools, choice)
+        return f'start: {lark_literal(cls.markers[0] + "[")} {calls} "]"\n' + call_object_rules(tools, choice)

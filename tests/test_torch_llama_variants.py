@@ -1,5 +1,6 @@
-"""Two Llama variants on the torch engine: SmolLM3 (layers without rotary, "NoPE") and Granite 3
-(multipliers on the embeddings, the attention scores, each block's output and the logits).
+"""Llama variants on the torch engine: SmolLM3 (layers without rotary, "NoPE") and Granite 3
+(multipliers on the embeddings, the attention scores, each block's output and the logits), dense
+and as a mixture of experts (Granite-MoE: a softmax over the top-k router logits).
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -15,7 +16,7 @@ from test_torch_engine import assert_greedy_matches_transformers, engine_for, ra
 from test_torch_gemma import assert_c_steps_match_the_torch_path, distance, hf_prompt_logprobs, prompt_logprobs
 from torch_models import tiny_checkpoint
 
-ARCHS = ["smollm3", "granite"]
+ARCHS = ["smollm3", "granite", "granitemoe"]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,8 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arch):
     # smollm3: layer 1 of 2 without rotary; granite: embeddings times 2, scores times 0.1 (not
-    # 16 ** -0.5), each block's output times 0.5, logits divided by 1.5.
+    # 16 ** -0.5), each block's output times 0.5, logits divided by 1.5; granitemoe: the same
+    # around 4 experts, 2 a token.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -65,11 +67,12 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
 
 
 @pytest.mark.parametrize("arch,fmt,kv", [("smollm3", "int4", "auto"), ("smollm3", "int8", "bfloat16"),
-                                         ("granite", "int8", "auto"), ("granite", "int4", "float16")])
+                                         ("granite", "int8", "auto"), ("granite", "int4", "float16"),
+                                         ("granitemoe", "int8", "auto"), ("granitemoe", "int4", "auto")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
-    in a branch and are added scaled) gives the packed torch path's tokens, logprobs within
-    0.02."""
+    in a branch and are added scaled, its experts' sum scaled in moe_block) gives the packed
+    torch path's tokens, logprobs within 0.02."""
     assert_c_steps_match_the_torch_path(checkpoints[arch], weight_format=fmt, kv_cache_dtype=kv)
 
 

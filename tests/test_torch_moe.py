@@ -149,6 +149,8 @@ def test_which_layers_are_mixtures_of_experts(arch, changes, sparse, normalize, 
     ("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8, "norm_topk_prob": True}),  # Qwen3-30B-A3B's top-8
     ("qwen2_moe", {"num_experts": 8, "num_experts_per_tok": 4, "shared_expert_intermediate_size": 96}),
     ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2}),  # routing weights kept in float32
+    # The top 4 logits softmaxed among themselves (transformers in float32, then rounded).
+    ("granitemoe", {"num_local_experts": 8, "num_experts_per_tok": 4}),
 ])
 def test_a_sparse_block_gives_transformers_bits(arch, changes, dtype):
     # transformers' own block as from_pretrained builds it (its grouped experts), on 512 tokens:
@@ -159,7 +161,7 @@ def test_a_sparse_block_gives_transformers_bits(arch, changes, dtype):
     config = _config(arch, hidden_size=256, intermediate_size=128, moe_intermediate_size=128, **changes)
     config._experts_implementation = "grouped_mm"  # what from_pretrained picks; a bare block has none
     module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
-    block_type = next(getattr(module, name) for name in dir(module) if name.endswith("SparseMoeBlock"))
+    block_type = next(getattr(module, name) for name in dir(module) if name.endswith(("SparseMoeBlock", "MoeMoE")))
     torch.manual_seed(0)
     theirs = block_type(config)
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / SmolLM3 / Granite / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
+random Llama / SmolLM3 / Granite (dense and MoE) / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE) built from a config, no download."""
 
 from __future__ import annotations
@@ -118,6 +118,12 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
         config = GraniteConfig(**common, pad_token_id=0, embedding_multiplier=2.0, attention_multiplier=0.1,
                                residual_multiplier=0.5, logits_scaling=1.5)
+    elif arch == "granitemoe":  # Granite's multipliers around 4 experts, 2 a token, softmaxed over the chosen logits
+        from transformers import GraniteMoeConfig
+
+        config = GraniteMoeConfig(**{**common, "intermediate_size": 48}, pad_token_id=0, num_local_experts=4,
+                                  num_experts_per_tok=2, embedding_multiplier=2.0, attention_multiplier=0.1,
+                                  residual_multiplier=0.5, logits_scaling=1.5)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -136,7 +142,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
-            if arch in ("smollm3", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch in ("smollm3", "granite", "granitemoe") and name.endswith(("q_proj.weight", "k_proj.weight")):
                 # Sharper attention, so that what shapes it shows: at 0.2, SmolLM3's rotary on a
                 # layer moves logprobs by 0.02, Granite's attention multiplier by 0.009; at 0.6 by
                 # 0.9 and 0.08.

@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, Qwen2, Qwen3, Mistral, Phi-3, Gemma
-1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss) as plain torch modules.
+1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and Granite 3's) as plain
+torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -92,8 +93,8 @@ class ModelSpec:
     float_norms: bool = False  # norms multiply by their weight in float32, rounded once (gpt-oss; Gemma's too)
     # gpt-oss: a learned logit per query head joins every softmax of its attention (the "sink").
     attention_sinks: bool = False
-    # gpt-oss's mixture of experts: the router has a bias and softmaxes its top-k logits only;
-    # experts have biases and a clamped SwiGLU, (alpha, limit).
+    # gpt-oss's mixture of experts: the router has a bias and softmaxes its top-k logits only
+    # (Granite-MoE's too, without the bias); experts have biases and a clamped SwiGLU, (alpha, limit).
     router_bias: bool = False
     softmax_top_k: bool = False
     expert_bias: bool = False
@@ -106,7 +107,7 @@ class ModelSpec:
     logits_scaling: float | None = None
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
-                 "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite")
+                 "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe")
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -249,7 +250,7 @@ class ModelSpec:
         for key, cap in softcaps.items():
             if cap is not None and not cap > 0:
                 raise ModelError(f"{key} {cap} must be a positive number")
-        granite = _granite_multipliers(cfg) if model_type == "granite" else {}
+        granite = _granite_multipliers(cfg) if model_type in ("granite", "granitemoe") else {}
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
             query_scale = cfg.query_pre_attn_scalar**-0.5
@@ -344,14 +345,15 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     Mixtral's every layer is sparse, its experts of ``intermediate_size``, their weights always
     renormalised; Qwen2-MoE's and Qwen3-MoE's layers are sparse but for ``mlp_only_layers`` and
     those off ``decoder_sparse_step``, their experts of ``moe_intermediate_size``; gpt-oss's
-    every layer, experts of ``intermediate_size``."""
+    and Granite-MoE's every layer, experts of ``intermediate_size``, weighted by a softmax of
+    the top-k logits alone."""
     if model_type == "mixtral":
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, True, ()
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         experts, size, normalize = cfg.num_experts, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob)
         step, only = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or ())
         dense = tuple(i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step)
-    elif model_type == "gpt_oss":  # the softmax over the chosen logits sums to 1 already
+    elif model_type in ("gpt_oss", "granitemoe"):  # the softmax over the chosen logits sums to 1 already
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, False, ()
     else:
         return {}
@@ -364,7 +366,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     swiglu = (float(getattr(cfg, "swiglu_alpha", 1.702)), float(cfg.swiglu_limit)) if gpt_oss else None
     return dict(num_experts=experts, experts_per_token=top_k, expert_size=size, normalize_routing=normalize,
                 float_routing_weights=model_type == "mixtral", shared_expert_size=shared or 0, dense_layers=dense,
-                router_bias=gpt_oss, softmax_top_k=gpt_oss, expert_bias=gpt_oss, clamped_swiglu=swiglu)
+                router_bias=gpt_oss, softmax_top_k=model_type in ("gpt_oss", "granitemoe"),
+                expert_bias=gpt_oss, clamped_swiglu=swiglu)
 
 
 def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, ...] | None]:

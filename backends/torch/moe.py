@@ -1,12 +1,13 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) as plain
-torch modules.
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, Granite-MoE) as
+plain torch modules.
 
 A router (``gate``) scores every expert for every token; each token runs through its
 ``experts_per_token`` best experts, whose outputs are summed with the router's softmax weights
 (renormalised over the chosen ones where the config says so: Mixtral always, Qwen with
 ``norm_topk_prob``). Qwen2-MoE adds a shared expert that every token runs through, scaled by a
 sigmoid gate. gpt-oss's router has a bias and softmaxes only the top-k logits it picks; its
-experts have biases and a clamped SwiGLU (:class:`.model.MLP`). Numerics follow Hugging Face's
+experts have biases and a clamped SwiGLU (:class:`.model.MLP`). Granite-MoE's router softmaxes
+its top-k logits too, with no bias. Numerics follow Hugging Face's
 implementation (transformers 5's grouped experts, what ``from_pretrained`` runs): the softmax in
 float32 (gpt-oss's in the logits' dtype), the same top-k, each (token, slot) pair's weighted
 output kept apart and the slots summed once per token, Mixtral's weights in float32 and the
@@ -53,8 +54,10 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts ``[n, top_k]`` (best first) and their weights: float32
         (Mixtral) or ``x``'s dtype (the Qwens, gpt-oss), as transformers keeps them."""
-        if self.softmax_top_k:  # gpt-oss: the best logits, softmaxed among themselves in their dtype
+        if self.softmax_top_k:  # gpt-oss, Granite-MoE: the best logits, softmaxed among themselves
             logits, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)
+            # In the logits' dtype: torch computes it in float32 and rounds once, as Granite-MoE's
+            # float32 softmax then cast (the same bits, tested).
             return F.softmax(logits, dim=-1, dtype=logits.dtype).to(x.dtype), chosen
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
@@ -88,23 +91,28 @@ class SparseMoE(nn.Module):
         """Copy the block's weights from a Hugging Face checkpoint: the router, then the experts
         one matrix each (``mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj``; Mixtral's
         ``block_sparse_moe.experts.E.w1`` / ``w3`` / ``w2``) or as transformers 5 holds them in
-        memory (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), or gpt-oss's
-        (:meth:`_load_gpt_oss`), then the shared expert and its gate."""
-        moe = prefix + ("block_sparse_moe." if state.has(prefix + "block_sparse_moe.gate.weight") else "mlp.")
-        router = moe + ("router." if state.has(moe + "router.weight") else "gate.")  # gpt-oss: `router`
+        memory (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``; Granite-MoE's
+        ``block_sparse_moe.input_linear`` and ``output_linear`` alike, its router
+        ``router.layer``), or gpt-oss's (:meth:`_load_gpt_oss`), then the shared expert and its
+        gate."""
+        sparse = prefix + "block_sparse_moe."
+        moe = sparse if state.has(sparse + "gate.weight") or state.has(sparse + "router.layer.weight") else prefix + "mlp."
+        router = moe + next((name for name in ("router.", "router.layer.") if state.has(moe + name + "weight")), "gate.")
         state.copy(self.gate.weight, router + "weight")
         if self.gate.bias is not None:
             state.copy(self.gate.bias, router + "bias")
-        if self.softmax_top_k:
+        stacked = next((pair for pair in (("experts.gate_up_proj", "experts.down_proj"),
+                                          ("input_linear.weight", "output_linear.weight")) if state.has(moe + pair[0])), None)
+        if self.experts[0].gate_up_proj.bias is not None:  # only gpt-oss's experts have biases
             self._load_gpt_oss(moe, state)
-        elif state.has(moe + "experts.gate_up_proj"):
-            gate_up, down = state.take(moe + "experts.gate_up_proj"), state.take(moe + "experts.down_proj")
-            for stacked in (gate_up, down):
-                if stacked.shape[0] != self.num_experts:
-                    raise state.error(f"`{moe}experts` holds {stacked.shape[0]} experts, the config {self.num_experts}")
+        elif stacked is not None:
+            gate_up, down = state.take(moe + stacked[0]), state.take(moe + stacked[1])
+            for name, matrices in zip(stacked, (gate_up, down)):
+                if matrices.shape[0] != self.num_experts:
+                    raise state.error(f"`{moe}{name}` holds {matrices.shape[0]} experts, the config {self.num_experts}")
             for e, expert in enumerate(self.experts):
-                state.copy(expert.gate_up_proj.weight, f"{moe}experts.gate_up_proj[{e}]", gate_up[e])
-                state.copy(expert.down_proj.weight, f"{moe}experts.down_proj[{e}]", down[e])
+                state.copy(expert.gate_up_proj.weight, f"{moe}{stacked[0]}[{e}]", gate_up[e])
+                state.copy(expert.down_proj.weight, f"{moe}{stacked[1]}[{e}]", down[e])
         else:
             mixtral = state.has(f"{moe}experts.0.w1.weight")
             names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")

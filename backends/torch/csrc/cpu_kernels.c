@@ -1142,8 +1142,8 @@ static void route(const rk_layer *l, float *p, int64_t *chosen, float *weights) 
  * rows (unquantized: a rounding there changes which experts a row reaches), plus gpt-oss's bias;
  * the top_k experts and their weights (route); each expert's matmuls over exactly the rows
  * routed to it; each (row, slot) output times its weight kept apart, then the slots summed in
- * order, plus the shared expert. Returns 0 when its scratch cannot be allocated (nothing changed
- * then). */
+ * order, plus the shared expert, times Granite's residual_scale. Returns 0 when its scratch
+ * cannot be allocated (nothing changed then). */
 static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x, float *xsum) {
     const int64_t H = md->hidden, E = l->num_experts, K = l->top_k, I = l->expert_inter, SI = l->shared_inter;
     const int64_t kp = l->expert_gate_up_kp > l->shared_gate_up_kp ? l->expert_gate_up_kp : l->shared_gate_up_kp;
@@ -1211,7 +1211,7 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
                 float y = slots[(m * K) * H + k];
                 for (int64_t s = 1; s < K; s++) y += slots[(m * K + s) * H + k];
                 if (l->shared) y += g * eo[m * H + k];
-                r[k] += y;
+                r[k] += y * md->residual_scale; /* Granite-MoE's multiplier; times 1 is exact for the others */
             }
         }
     }
@@ -1270,7 +1270,7 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, out, H, lx);
         if (sandwich) rmsnorm_add(branch, M, H, l->attn_out_norm, l->out_eps, x);
         else if (scaled) scaled_add(branch, M, H, md->residual_scale, x);
-        /* no adapters (lora.py refuses experts'), output norms nor residual scale (cpu_decode.py) here */
+        /* no adapters (lora.py refuses experts') nor output norms (cpu_decode.py) here */
         if (l->experts) {
             if (!moe_block(md, l, M, x, xsum)) {
                 free(scores);

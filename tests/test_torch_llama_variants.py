@@ -1,6 +1,8 @@
-"""Llama variants on the torch engine: SmolLM3 (layers without rotary, "NoPE") and Granite 3
+"""Llama variants on the torch engine: SmolLM3 (layers without rotary, "NoPE"), Granite 3
 (multipliers on the embeddings, the attention scores, each block's output and the logits), dense
-and as a mixture of experts (Granite-MoE: a softmax over the top-k router logits).
+and as a mixture of experts (Granite-MoE: a softmax over the top-k router logits), and OLMo 2
+and 3 (no input norms, each block's output normalised, query and key norms over whole
+projections; OLMo 3's sliding layers with a rotary of their own).
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -16,7 +18,7 @@ from test_torch_engine import assert_greedy_matches_transformers, engine_for, ra
 from test_torch_gemma import assert_c_steps_match_the_torch_path, distance, hf_prompt_logprobs, prompt_logprobs
 from torch_models import tiny_checkpoint
 
-ARCHS = ["smollm3", "granite", "granitemoe"]
+ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3"]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,8 @@ def checkpoints(tmp_path_factory):
 def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arch):
     # smollm3: layer 1 of 2 without rotary; granite: embeddings times 2, scores times 0.1 (not
     # 16 ** -0.5), each block's output times 0.5, logits divided by 1.5; granitemoe: the same
-    # around 4 experts, 2 a token.
+    # around 4 experts, 2 a token; olmo2: norms of the blocks' outputs only, of whole query and
+    # key projections; olmo3: the same, layer 0 sliding over 8 with base 1e4, layer 1 with YaRN.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -56,6 +59,10 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("granite", {"attention_multiplier": 0.25}),
     ("granite", {"residual_multiplier": 1.0}),
     ("granite", {"logits_scaling": 1.0}),
+    ("olmo3", {"layer_types": ["full_attention", "full_attention"]}),
+    ("olmo3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                      "original_max_position_embeddings": 128},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}}),
 ])
 def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
     # Each feature moves transformers' own float32 logprobs on these weights by 500 times what
@@ -68,10 +75,13 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
 
 @pytest.mark.parametrize("arch,fmt,kv", [("smollm3", "int4", "auto"), ("smollm3", "int8", "bfloat16"),
                                          ("granite", "int8", "auto"), ("granite", "int4", "float16"),
-                                         ("granitemoe", "int8", "auto"), ("granitemoe", "int4", "auto")])
+                                         ("granitemoe", "int8", "auto"), ("granitemoe", "int4", "auto"),
+                                         ("olmo2", "int8", "auto"), ("olmo2", "int4", "bfloat16"),
+                                         ("olmo3", "int4", "auto")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
-    in a branch and are added scaled, its experts' sum scaled in moe_block) gives the packed
+    in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take
+    the residual unnormalised, its query and key norms span whole projections) gives the packed
     torch path's tokens, logprobs within 0.02."""
     assert_c_steps_match_the_torch_path(checkpoints[arch], weight_format=fmt, kv_cache_dtype=kv)
 
@@ -108,3 +118,14 @@ def test_granite_multipliers_and_their_refusals():
     # Llama's config never reads them.
     llama = ModelSpec.from_hf_config(_config("llama", logits_scaling=16.0, residual_multiplier=0.2))
     assert (llama.logits_scaling, llama.residual_scale, llama.attention_scale) == (None, None, 16**-0.5)
+
+
+def test_olmo_specs():
+    s = ModelSpec.from_hf_config(_config("olmo2"))
+    assert s.qk_norm and s.qk_norm_whole and s.sandwich_norms and not s.input_norms and s.float_norms
+    assert not s.float16_overflows  # vLLM serves OLMo 2 in float16; Gemma 2/3 alone are refused
+    # OLMo 3 without layer_types (transformers 4): three layers of every four slide.
+    olmo3 = ModelSpec.from_hf_config(_config("olmo3", sliding_window=16))
+    assert [olmo3.window_of(i) for i in range(8)] == [16, 16, 16, None] * 2
+    with pytest.raises(ModelError, match="partial_rotary_factor is not supported for model_type `olmo2`"):
+        ModelSpec.from_hf_config(_config("olmo2", partial_rotary_factor=0.5))

@@ -1,5 +1,5 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / SmolLM3 / Granite (dense and MoE) / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
+random Llama / SmolLM3 / Granite (dense and MoE) / OLMo 2 and 3 / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE) built from a config, no download."""
 
 from __future__ import annotations
@@ -124,6 +124,17 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = GraniteMoeConfig(**{**common, "intermediate_size": 48}, pad_token_id=0, num_local_experts=4,
                                   num_experts_per_tok=2, embedding_multiplier=2.0, attention_multiplier=0.1,
                                   residual_multiplier=0.5, logits_scaling=1.5)
+    elif arch == "olmo2":  # no input norms, each block's output normalised; query and key norms over whole projections
+        from transformers import Olmo2Config
+
+        config = Olmo2Config(**common, pad_token_id=0)
+    elif arch == "olmo3":  # OLMo 2's norms; layer 0 slides, rotating with a base of its own, layer 1 with YaRN
+        from transformers import Olmo3Config
+
+        config = Olmo3Config(**common, pad_token_id=0, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                             rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                                 "original_max_position_embeddings": 128},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)

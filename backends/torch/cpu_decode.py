@@ -82,6 +82,11 @@ def _float_pointer(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
     return t.data_ptr()
 
 
+def _eps(norm: torch.nn.Module | None) -> float:
+    """A norm's epsilon; 0 for a norm the model does not have (C reads none then)."""
+    return norm.eps if norm is not None else 0.0
+
+
 class CpuDecoder:
     """Runs the steps :meth:`accepts` of ``model`` (all its linears :class:`~.quantize.PackedLinear`)
     in one C call each."""
@@ -135,17 +140,17 @@ class CpuDecoder:
             cos, sin = (local if attn.sliding else rope) if attn.rotates else (None, None)
             layers[i] = RkLayer(
                 ln1=norm(layer.input_layernorm), ln2=norm(layer.post_attention_layernorm),
-                eps1=layer.input_layernorm.eps, eps2=layer.post_attention_layernorm.eps,
+                eps1=_eps(layer.input_layernorm), eps2=_eps(layer.post_attention_layernorm),
                 qkv=qkv, o=o, gate_up=gu, down=down,
                 qkv_bias=qkv_b, o_bias=o_b, gate_up_bias=gu_b, down_bias=down_b,
                 qkv_kp=attn.qkv_proj.padded_in_features, o_kp=attn.o_proj.padded_in_features,
                 gate_up_kp=gu_kp, down_kp=down_kp, **moe,
                 k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(), window=spec.window_of(i) or 0,
                 q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm),
-                qk_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0,
+                qk_eps=_eps(attn.q_norm), qk_norm_whole=int(attn.whole_qk_norm),
                 cos=cos, sin=sin, attn_out_norm=norm(layer.attn_out_norm), mlp_out_norm=norm(layer.mlp_out_norm),
                 sinks=f32(attn.sinks) if attn.sinks is not None else None,
-                out_eps=layer.attn_out_norm.eps if layer.attn_out_norm is not None else 0.0,
+                out_eps=_eps(layer.attn_out_norm),
             )
         self._layers = layers
         head = model.lm_head

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, Qwen2, Qwen3, Mistral, Phi-3, Gemma
-1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and Granite 3's) as plain
+"""Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, Qwen2, Qwen3, Mistral, Phi-3,
+Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and Granite 3's) as plain
 torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
@@ -12,8 +12,9 @@ block's output as well as its input, a query scale of its own, tanh soft caps on
 scores and logits (Gemma 2), and Gemma 3's second rotary base for its sliding-window layers.
 gpt-oss's are too: attention sinks (a learned logit per head in every softmax), and a mixture
 of experts routed by the softmax of its top-k logits, experts with biases and a clamped SwiGLU.
-SmolLM3's layers without rotary (NoPE) and Granite's multipliers (embeddings, attention scores,
-each block's output, logits) are flags too.
+SmolLM3's layers without rotary (NoPE), Granite's multipliers (embeddings, attention scores,
+each block's output, logits) and OLMo 2/3's norms (of each block's output only, and of the
+whole query and key projections) are flags too.
 Every forward pass works on a flat batch of tokens from many sequences at once (continuous
 batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
@@ -82,6 +83,9 @@ class ModelSpec:
     offset_norms: bool = False  # every RMSNorm scales by 1 + weight, in float32, rounded once after
     # Gemma 2/3: the attention's and the MLP's outputs are normalised too before the residual adds.
     sandwich_norms: bool = False
+    input_norms: bool = True  # False: blocks take the residual as it is (OLMo 2/3, whose outputs are normalised)
+    qk_norm_whole: bool = False  # OLMo 2/3: qk_norm spans each projection's heads together, not one head
+    float_rotary: bool = False  # OLMo 2/3: queries and keys rotate in float32, rounded once (tables not cast)
     query_scale: float | None = None  # attention scores' scale (query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
     attn_softcap: float | None = None  # scores become cap * tanh(score / cap) before the softmax (Gemma 2)
     final_softcap: float | None = None  # the same on the logits
@@ -107,7 +111,8 @@ class ModelSpec:
     logits_scaling: float | None = None
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
-                 "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe")
+                 "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
+                 "olmo3")
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -124,7 +129,7 @@ class ModelSpec:
     @property
     def float16_overflows(self) -> bool:
         """Gemma 2 and 3: activations outgrow float16's range (vLLM refuses float16 for them too)."""
-        return self.sandwich_norms
+        return self.sandwich_norms and self.offset_norms
 
     @property
     def attention_scale(self) -> float:
@@ -251,6 +256,9 @@ class ModelSpec:
             if cap is not None and not cap > 0:
                 raise ModelError(f"{key} {cap} must be a positive number")
         granite = _granite_multipliers(cfg) if model_type in ("granite", "granitemoe") else {}
+        olmo = model_type in ("olmo2", "olmo3")
+        if olmo and rotary_dim is not None:  # the loader reorders a partial rotary's dimensions head by head
+            raise ModelError(f"partial_rotary_factor is not supported for model_type `{model_type}`")
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
             query_scale = cfg.query_pre_attn_scalar**-0.5
@@ -274,21 +282,24 @@ class ModelSpec:
             sliding_window=window,
             o_bias=bool(getattr(cfg, "attention_bias", False)) and not qwen2,
             sliding_layers=sliding_layers,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
+            qk_norm_whole=olmo,
             rotary_dim=rotary_dim,
             **_experts(cfg, model_type),
             activation=cls.ACTIVATIONS[act],
             embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier"),
             embed_scale_rounded=gemma,
             offset_norms=gemma,
-            sandwich_norms=model_type in ("gemma2", "gemma3_text"),
+            sandwich_norms=model_type in ("gemma2", "gemma3_text") or olmo,
+            input_norms=not olmo,
+            float_rotary=olmo,
             query_scale=query_scale,
             attn_softcap=softcaps["attn_logit_softcapping"],
             final_softcap=softcaps["final_logit_softcapping"],
             local_rope_theta=float(local.get("rope_theta", 10000.0)) if local is not None else None,
             local_rope_scaling=local_scaling,
             scaled_max_position=model_type == "gemma3_text",
-            float_norms=gemma or model_type == "gpt_oss",
+            float_norms=gemma or olmo or model_type == "gpt_oss",
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
             residual_scale=granite.get("residual_multiplier"),
@@ -375,17 +386,17 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     Phi-3 slide on every layer, and Qwen3-MoE does with ``use_sliding_window`` (its config drops
     the window without it); the other Qwens only with ``use_sliding_window``, on the layers
     ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Gemma 2
-    and 3 and gpt-oss on the layers ``layer_types`` names (else every second, or five of every
-    six); Llama and Gemma never."""
+    and 3, gpt-oss and OLMo 3 on the layers ``layer_types`` names (else every second, five of
+    every six, or three of every four); Llama and Gemma never."""
     window = getattr(cfg, "sliding_window", None)
     if model_type in ("llama", "gemma") or not window:
         return None, None
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text", "gpt_oss"):  # every 2nd layer (Gemma 2, gpt-oss), 5 of 6 (Gemma 3)
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3"):
         if types is None:  # transformers 4.x: the pattern alone
-            pattern = getattr(cfg, "sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
+            pattern = {"gemma3_text": getattr(cfg, "sliding_window_pattern", 6), "olmo3": 4}.get(model_type, 2)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg.num_hidden_layers)]
         layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
         return (int(window), layers) if layers else (None, None)
@@ -600,18 +611,23 @@ class Attention(nn.Module):
         self.half = spec.head_dim // 2
         self.sliding = spec.window_of(layer) is not None
         self.rotates = layer not in spec.nope_layers
-        self.q_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
-        self.k_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
+        self.whole_qk_norm = spec.qk_norm_whole
+        self.q_norm = _norm(spec, self.q_size if self.whole_qk_norm else spec.head_dim) if spec.qk_norm else None
+        self.k_norm = _norm(spec, self.kv_size if self.whole_qk_norm else spec.head_dim) if spec.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.whole_qk_norm:  # OLMo: each projection normalised as one vector
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view(n, -1, self.head_dim)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
+        if self.q_norm is not None and not self.whole_qk_norm:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        if self.rotates:  # q and k together: one set of ops for both
-            qk = apply_rotary(qk, *rope, self.half)
+        if self.rotates:  # q and k together: one set of ops for both (float32 tables: OLMo's, rounded once)
+            qk = apply_rotary(qk, *rope, self.half).to(qkv.dtype)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
@@ -647,15 +663,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Norm, attention, residual add; norm, MLP, residual add. Gemma 2/3 also normalise each
-    block's output before its add (``attn_out_norm``, ``mlp_out_norm``); Granite scales it
-    (``residual_scale``)."""
+    block's output before its add (``attn_out_norm``, ``mlp_out_norm``), OLMo 2/3 do instead of
+    normalising its input; Granite scales it (``residual_scale``)."""
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         norm = lambda: _norm(spec, spec.hidden_size)  # noqa: E731
-        self.input_layernorm = norm()
+        self.input_layernorm = norm() if spec.input_norms else None
         self.self_attn = Attention(spec, layer)
-        self.post_attention_layernorm = norm()  # Llama's name for the MLP's input norm
+        self.post_attention_layernorm = norm() if spec.input_norms else None  # Llama's name for the MLP's input norm
         self.attn_out_norm = norm() if spec.sandwich_norms else None
         self.mlp_out_norm = norm() if spec.sandwich_norms else None
         self.residual_scale = spec.residual_scale
@@ -668,9 +684,9 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.activation)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, meta)
+        h = self.self_attn(_normed(self.input_layernorm, x), rope, meta)
         x = x + self._branch(h, self.attn_out_norm)
-        h = self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp(_normed(self.post_attention_layernorm, x))
         return x + self._branch(h, self.mlp_out_norm)
 
     def _branch(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
@@ -678,6 +694,10 @@ class DecoderLayer(nn.Module):
         if norm is not None:
             return norm(h)
         return h if self.residual_scale is None else h * self.residual_scale
+
+
+def _normed(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 class CausalLM(nn.Module):
@@ -748,8 +768,9 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if (scale := self.embed_scale(x.dtype)) is not None:
             x = x * scale
-        rope = self.rotary.tables(positions, x.dtype)
-        local = self.local_rotary.tables(positions, x.dtype) if self.local_rotary is not None else rope
+        rope_dtype = torch.float32 if self.spec.float_rotary else x.dtype
+        rope = self.rotary.tables(positions, rope_dtype)
+        local = self.local_rotary.tables(positions, rope_dtype) if self.local_rotary is not None else rope
         for layer in self.layers:
             x = layer(x, local if layer.self_attn.sliding else rope, meta)
         # Only rows that sample need the (large) vocabulary projection.
@@ -792,10 +813,12 @@ class CausalLM(nn.Module):
                     norm = weights.take(p + f"self_attn.{name}.weight")
                     norm = norm if layout is None or norm.shape != layout.shape else norm[layout]
                     weights.copy(getattr(attn, name).weight, p + f"self_attn.{name}.weight", norm)
-            weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
-            if spec.sandwich_norms:  # Gemma 2/3 name the attention's output norm post_attention_layernorm
+            if spec.input_norms:
+                weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
+            if spec.sandwich_norms:  # Gemma 2/3 and OLMo name the attention's output norm post_attention_layernorm
                 weights.copy(layer.attn_out_norm.weight, p + "post_attention_layernorm.weight")
-                weights.copy(layer.post_attention_layernorm.weight, p + "pre_feedforward_layernorm.weight")
+                if spec.input_norms:
+                    weights.copy(layer.post_attention_layernorm.weight, p + "pre_feedforward_layernorm.weight")
                 weights.copy(layer.mlp_out_norm.weight, p + "post_feedforward_layernorm.weight")
             else:
                 weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")

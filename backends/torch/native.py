@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 14
+ABI = 15
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -52,6 +52,7 @@ class RkLayer(ctypes.Structure):
         ("qkv_kp", _I), ("o_kp", _I), ("gate_up_kp", _I), ("down_kp", _I),
         ("k_cache", _P), ("v_cache", _P),
         ("window", _I), ("q_norm", _P), ("k_norm", _P), ("qk_eps", ctypes.c_float),
+        ("qk_norm_whole", ctypes.c_int),
         ("cos", _P), ("sin", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P), ("out_eps", ctypes.c_float),
         ("sinks", _P),
         ("router", _P), ("router_bias", _P), ("experts", ctypes.POINTER(RkExpert)), ("shared", ctypes.POINTER(RkExpert)),

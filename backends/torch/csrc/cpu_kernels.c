@@ -52,7 +52,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 14; }
+int rk_abi(void) { return 15; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -1027,7 +1027,8 @@ typedef struct {
 
 /* A whole decode step, for the weights of one model (see cpu_decode.py, which fills these). */
 typedef struct {
-    /* Every norm's factors are float32 per dimension: the weight, or Gemma's 1 + weight. */
+    /* Every norm's factors are float32 per dimension: the weight, or Gemma's 1 + weight. The
+     * blocks' input norms (NULL: none, OLMo's) */
     const float *ln1, *ln2;
     float eps1, eps2;
     const uint8_t *qkv, *o, *gate_up, *down; /* packed weights */
@@ -1035,8 +1036,11 @@ typedef struct {
     int64_t qkv_kp, o_kp, gate_up_kp, down_kp; /* padded input sizes */
     void *k_cache, *v_cache; /* of the model's kv_kind */
     int64_t window; /* the layer's sliding window; 0: it attends to every position */
-    const float *q_norm, *k_norm; /* Qwen3's and Gemma 3's [head_dim] per query / key head; NULL: none */
+    /* Qwen3's and Gemma 3's [head_dim] per query / key head, or with qk_norm_whole OLMo's over the
+     * whole query [heads head_dim] and key [kv_heads head_dim] projection; NULL: none */
+    const float *q_norm, *k_norm;
     float qk_eps;
+    int qk_norm_whole;
     /* the layer's rotary tables (Gemma 3's sliding layers have their own); NULL: none (NoPE) */
     const float *cos, *sin;
     /* Gemma 2/3: norms of the attention's and the MLP's outputs before their residual adds; NULL: none */
@@ -1220,6 +1224,15 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
     return ok;
 }
 
+/* A block's input quantized, normalised first by ln (NULL: as it is, OLMo's blocks). */
+static void input_quantize(const float *x, int64_t M, int64_t H, const float *ln, float eps, float *tmp, int64_t Kp,
+                           int16_t *q, float *dq) {
+    if (ln)
+        rk_rmsnorm_quantize(x, M, H, H, ln, eps, tmp, Kp, q, dq);
+    else
+        rk_quantize_rows(x, M, H, H, Kp, q, dq);
+}
+
 /* One engine step: decoding sequences and prompt chunks alike, a row per new token.
  *
  * x [M, hidden]: the new tokens' embeddings in, the residual stream throughout. Positions, slots,
@@ -1258,10 +1271,14 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
     const int add = !branch;
     for (int64_t i = 0; i < md->num_layers; i++) {
         const rk_layer *l = md->layers + i;
-        rk_rmsnorm_quantize(x, M, H, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
+        input_quantize(x, M, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
         rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
-        if (l->q_norm) head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
+        if (l->q_norm && l->qk_norm_whole) { /* OLMo: the query and the key projections as one vector each */
+            head_norms(qkv, M, qkv_size, 1, 0, md->heads * D, l->q_norm, NULL, l->qk_eps);
+            head_norms(qkv + md->heads * D, M, qkv_size, 1, 0, md->kv_heads * D, l->k_norm, NULL, l->qk_eps);
+        } else if (l->q_norm)
+            head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
         attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, l->cos, l->sin, l->k_cache, l->v_cache, slot,
                   table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, max_len,
                   md->kv_kind, scores, attn);
@@ -1280,7 +1297,7 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
             }
             continue;
         }
-        rk_rmsnorm_quantize(x, M, H, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
+        input_quantize(x, M, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
         rk_linear(q, dq, M, l->gate_up_kp, l->gate_up, md->group, md->bits,
                   l->gate_up_bias, 2 * I, gate_up, 2 * I, 0, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 2, row_adapter, q, dq, M, l->gate_up_kp, H, gate_up, 2 * I, lx);

@@ -36,7 +36,7 @@ def test_float32_on_cuda_matches_transformers_on_the_cpu(tmp_path, arch, graphs)
         run(engine.stop())
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "granitemoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "granitemoe", "olmoe"])
 def test_mixtures_of_experts_on_cuda_run_eagerly_and_match_transformers(tmp_path, arch):
     # Routing reads each expert's row count back to the host, which no graph can hold: with
     # cuda_graphs on, a MoE model's decode steps still run eagerly.

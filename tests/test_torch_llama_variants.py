@@ -2,7 +2,8 @@
 (multipliers on the embeddings, the attention scores, each block's output and the logits), dense
 and as a mixture of experts (Granite-MoE: a softmax over the top-k router logits), and OLMo 2
 and 3 (no input norms, each block's output normalised, query and key norms over whole
-projections; OLMo 3's sliding layers with a rotary of their own).
+projections; OLMo 3's sliding layers with a rotary of their own; OLMoE, a mixture of experts
+with OLMo's query and key norms).
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -18,7 +19,7 @@ from test_torch_engine import assert_greedy_matches_transformers, engine_for, ra
 from test_torch_gemma import assert_c_steps_match_the_torch_path, distance, hf_prompt_logprobs, prompt_logprobs
 from torch_models import tiny_checkpoint
 
-ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3"]
+ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # smollm3: layer 1 of 2 without rotary; granite: embeddings times 2, scores times 0.1 (not
     # 16 ** -0.5), each block's output times 0.5, logits divided by 1.5; granitemoe: the same
     # around 4 experts, 2 a token; olmo2: norms of the blocks' outputs only, of whole query and
-    # key projections; olmo3: the same, layer 0 sliding over 8 with base 1e4, layer 1 with YaRN.
+    # key projections; olmo3: the same, layer 0 sliding over 8 with base 1e4, layer 1 with YaRN;
+    # olmoe: Llama's norms, OLMo's query and key norms, 8 experts, 2 a token, not renormalised.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -77,7 +79,7 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("granite", "int8", "auto"), ("granite", "int4", "float16"),
                                          ("granitemoe", "int8", "auto"), ("granitemoe", "int4", "auto"),
                                          ("olmo2", "int8", "auto"), ("olmo2", "int4", "bfloat16"),
-                                         ("olmo3", "int4", "auto")])
+                                         ("olmo3", "int4", "auto"), ("olmoe", "int8", "auto"), ("olmoe", "int4", "auto")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take
@@ -129,3 +131,13 @@ def test_olmo_specs():
     assert [olmo3.window_of(i) for i in range(8)] == [16, 16, 16, None] * 2
     with pytest.raises(ModelError, match="partial_rotary_factor is not supported for model_type `olmo2`"):
         ModelSpec.from_hf_config(_config("olmo2", partial_rotary_factor=0.5))
+
+
+def test_olmoe_spec_and_its_clip_refused():
+    s = ModelSpec.from_hf_config(_config("olmoe", num_experts=64, num_experts_per_tok=8, norm_topk_prob=False))
+    assert s.qk_norm and s.qk_norm_whole and s.input_norms and not s.sandwich_norms and not s.float_norms
+    assert (s.num_experts, s.experts_per_token, s.expert_size, s.normalize_routing) == (64, 8, 128, False)
+    assert not s.float_rotary and not s.softmax_top_k
+    with pytest.raises(ModelError, match="clip_qkv 8.0: clamping queries, keys and values is not supported"):
+        ModelSpec.from_hf_config(_config("olmoe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                         clip_qkv=8.0))

@@ -151,6 +151,7 @@ def test_which_layers_are_mixtures_of_experts(arch, changes, sparse, normalize, 
     ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2}),  # routing weights kept in float32
     # The top 4 logits softmaxed among themselves (transformers in float32, then rounded).
     ("granitemoe", {"num_local_experts": 8, "num_experts_per_tok": 4}),
+    ("olmoe", {"num_experts": 16, "num_experts_per_tok": 8, "norm_topk_prob": False}),  # OLMoE-1B-7B's top-8
 ])
 def test_a_sparse_block_gives_transformers_bits(arch, changes, dtype):
     # transformers' own block as from_pretrained builds it (its grouped experts), on 512 tokens:

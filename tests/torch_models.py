@@ -1,5 +1,5 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / SmolLM3 / Granite (dense and MoE) / OLMo 2 and 3 / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
+random Llama / SmolLM3 / Granite (dense and MoE) / OLMo 2 and 3 / OLMoE / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE) built from a config, no download."""
 
 from __future__ import annotations
@@ -135,6 +135,11 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                              rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
                                                                  "original_max_position_embeddings": 128},
                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    elif arch == "olmoe":  # 8 experts, 2 a token, not renormalised; query and key norms over whole projections
+        from transformers import OlmoeConfig
+
+        config = OlmoeConfig(**{**common, "intermediate_size": 40}, pad_token_id=0, num_experts=8, num_experts_per_tok=2,
+                             norm_topk_prob=False)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)

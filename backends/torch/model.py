@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, Qwen2, Qwen3, Mistral, Phi-3,
-Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and Granite 3's) as plain
-torch modules.
+Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and Granite 3's)
+as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -84,7 +84,7 @@ class ModelSpec:
     # Gemma 2/3: the attention's and the MLP's outputs are normalised too before the residual adds.
     sandwich_norms: bool = False
     input_norms: bool = True  # False: blocks take the residual as it is (OLMo 2/3, whose outputs are normalised)
-    qk_norm_whole: bool = False  # OLMo 2/3: qk_norm spans each projection's heads together, not one head
+    qk_norm_whole: bool = False  # OLMo 2/3, OLMoE: qk_norm spans each projection's heads together, not one head
     float_rotary: bool = False  # OLMo 2/3: queries and keys rotate in float32, rounded once (tables not cast)
     query_scale: float | None = None  # attention scores' scale (query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
     attn_softcap: float | None = None  # scores become cap * tanh(score / cap) before the softmax (Gemma 2)
@@ -112,7 +112,7 @@ class ModelSpec:
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
-                 "olmo3")
+                 "olmo3", "olmoe")
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -257,7 +257,10 @@ class ModelSpec:
                 raise ModelError(f"{key} {cap} must be a positive number")
         granite = _granite_multipliers(cfg) if model_type in ("granite", "granitemoe") else {}
         olmo = model_type in ("olmo2", "olmo3")
-        if olmo and rotary_dim is not None:  # the loader reorders a partial rotary's dimensions head by head
+        if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
+            raise ModelError(f"clip_qkv {cfg.clip_qkv}: clamping queries, keys and values is not supported")
+        whole_qk_norms = olmo or model_type == "olmoe"
+        if whole_qk_norms and rotary_dim is not None:  # the loader reorders a partial rotary's dimensions head by head
             raise ModelError(f"partial_rotary_factor is not supported for model_type `{model_type}`")
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
@@ -282,8 +285,8 @@ class ModelSpec:
             sliding_window=window,
             o_bias=bool(getattr(cfg, "attention_bias", False)) and not qwen2,
             sliding_layers=sliding_layers,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
-            qk_norm_whole=olmo,
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "olmoe"),
+            qk_norm_whole=whole_qk_norms,
             rotary_dim=rotary_dim,
             **_experts(cfg, model_type),
             activation=cls.ACTIVATIONS[act],
@@ -355,7 +358,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     """The mixture-of-experts fields of :class:`ModelSpec`, as transformers builds the layers:
     Mixtral's every layer is sparse, its experts of ``intermediate_size``, their weights always
     renormalised; Qwen2-MoE's and Qwen3-MoE's layers are sparse but for ``mlp_only_layers`` and
-    those off ``decoder_sparse_step``, their experts of ``moe_intermediate_size``; gpt-oss's
+    those off ``decoder_sparse_step``, their experts of ``moe_intermediate_size``; OLMoE's
+    every layer, experts of ``intermediate_size``, renormalised with ``norm_topk_prob``; gpt-oss's
     and Granite-MoE's every layer, experts of ``intermediate_size``, weighted by a softmax of
     the top-k logits alone."""
     if model_type == "mixtral":
@@ -364,6 +368,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
         experts, size, normalize = cfg.num_experts, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob)
         step, only = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or ())
         dense = tuple(i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step)
+    elif model_type == "olmoe":
+        experts, size, normalize, dense = cfg.num_experts, cfg.intermediate_size, bool(cfg.norm_topk_prob), ()
     elif model_type in ("gpt_oss", "granitemoe"):  # the softmax over the chosen logits sums to 1 already
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, False, ()
     else:

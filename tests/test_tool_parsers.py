@@ -741,7 +741,8 @@ def test_injected_calls_are_written_so_that_the_parser_reads_them_back(fmt):
 
     calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
              {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]
-    messages = [{"role": "user", "content": "Weather and time?"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+    messages = [{"role": "user", "content": "Weather and time?"},
+                {"role": "assistant", "content": None, "tool_calls": calls}]
     system, user, assistant = inject(messages, TOOLS, fmt)
     assert system["role"] == "system" and '{"name": "get_weather"' in system["content"] and user == messages[0]
     assert "tool_calls" not in assistant

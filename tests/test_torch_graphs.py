@@ -52,7 +52,7 @@ def test_buckets():
 
 @pytest.mark.parametrize(
     "arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen3", "phi3-longrope", "gemma2", "gemma3",
-            "smollm3", "granite", "olmo2", "olmo3"]
+            "smollm3", "granite", "olmo2", "olmo3", "glm4"]
 )
 def test_static_decode_matches_transformers_in_a_padded_batch(tmp_path, arch):
     # 5 sequences (padded to 8 rows), contexts from 5 to 60 tokens in blocks of 4 (buckets of
@@ -61,7 +61,8 @@ def test_static_decode_matches_transformers_in_a_padded_batch(tmp_path, arch):
     # factors change past 32 positions (prompts within them, transformers one token at a time);
     # gemma2: capped scores (attention written out, masked where padded); gemma3: the sliding
     # layer's own rotary tables; smollm3: a layer without rotary; granite: scaled block outputs;
-    # olmo2: no input norms, whole-projection query and key norms; olmo3: its sliding layer.
+    # olmo2: no input norms, whole-projection query and key norms; olmo3: its sliding layer;
+    # glm4: interleaved rotary pairs on half of each head.
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = static_engine(folder, block_size=4, max_batched_tokens=16, max_num_seqs=16)
     shapes = counting(engine)

@@ -3,7 +3,8 @@
 and as a mixture of experts (Granite-MoE: a softmax over the top-k router logits), and OLMo 2
 and 3 (no input norms, each block's output normalised, query and key norms over whole
 projections; OLMo 3's sliding layers with a rotary of their own; OLMoE, a mixture of experts
-with OLMo's query and key norms).
+with OLMo's query and key norms), and GLM-4 (rotary pairs of adjacent dimensions on half of each
+head, and with glm4 norms around each block's output too).
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -19,7 +20,7 @@ from test_torch_engine import assert_greedy_matches_transformers, engine_for, ra
 from test_torch_gemma import assert_c_steps_match_the_torch_path, distance, hf_prompt_logprobs, prompt_logprobs
 from torch_models import tiny_checkpoint
 
-ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe"]
+ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,9 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # 16 ** -0.5), each block's output times 0.5, logits divided by 1.5; granitemoe: the same
     # around 4 experts, 2 a token; olmo2: norms of the blocks' outputs only, of whole query and
     # key projections; olmo3: the same, layer 0 sliding over 8 with base 1e4, layer 1 with YaRN;
-    # olmoe: Llama's norms, OLMo's query and key norms, 8 experts, 2 a token, not renormalised.
+    # olmoe: Llama's norms, OLMo's query and key norms, 8 experts, 2 a token, not renormalised;
+    # glm: 8 of 16 dimensions of each head rotating in adjacent pairs, q/k/v biases, fused gate
+    # and up; glm4: the same with norms of both blocks' outputs (GLM-4's names).
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -65,6 +68,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("olmo3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
                                                       "original_max_position_embeddings": 128},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}}),
+    ("glm4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
 ])
 def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
     # Each feature moves transformers' own float32 logprobs on these weights by 500 times what
@@ -79,7 +83,8 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("granite", "int8", "auto"), ("granite", "int4", "float16"),
                                          ("granitemoe", "int8", "auto"), ("granitemoe", "int4", "auto"),
                                          ("olmo2", "int8", "auto"), ("olmo2", "int4", "bfloat16"),
-                                         ("olmo3", "int4", "auto"), ("olmoe", "int8", "auto"), ("olmoe", "int4", "auto")])
+                                         ("olmo3", "int4", "auto"), ("olmoe", "int8", "auto"), ("olmoe", "int4", "auto"),
+                                         ("glm", "int8", "auto"), ("glm4", "int4", "auto")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take

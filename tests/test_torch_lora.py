@@ -20,6 +20,7 @@ from test_torch_engine import generate, random_prompts, run
 from torch_models import LORA_TARGETS, hf_greedy, merged_checkpoint, tiny_checkpoint, write_lora
 
 FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # how PEFT names Phi-3's modules
+GLM = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")  # GLM-4's: gate and up fused only
 
 
 def engine_with(base, adapters, **options):
@@ -67,12 +68,13 @@ def test_a_mixed_batch_of_base_and_two_adapters_matches_transformers_with_merged
         assert base_out != every_out and base_out != qv_out
 
 
-@pytest.mark.parametrize("arch", ["phi3", "phi3-longrope"])
-def test_phi3_adapters_of_the_fused_projections(tmp_path, arch):
+@pytest.mark.parametrize("arch,targets", [("phi3", FUSED), ("phi3-longrope", FUSED), ("glm4", GLM)])
+def test_adapters_of_fused_projections_and_reordered_heads(tmp_path, arch, targets):
     # phi3-longrope: a partial rotary, for which the loader reorders each query and key head
-    # (ModelSpec.qk_layout): the adapters' q and k rows move with the base model's.
+    # (ModelSpec.qk_layout): the adapters' q and k rows move with the base model's; glm4: its
+    # interleaved rotary pairs reordered so too, and its gate and up fused.
     base = tiny_checkpoint(tmp_path / arch, arch)
-    adapter = write_lora(tmp_path / "ad", base, targets=FUSED)
+    adapter = write_lora(tmp_path / "ad", base, targets=targets)
     merged = merged_checkpoint(base, adapter, tmp_path / "merged")
     engine = engine_with(base, {"ad": adapter})
     try:

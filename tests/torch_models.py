@@ -1,5 +1,5 @@
 """Models for torch-engine tests: the bundled SmolLM2 (as a Hugging Face folder) and tiny
-random Llama / SmolLM3 / Granite (dense and MoE) / OLMo 2 and 3 / OLMoE / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
+random Llama / SmolLM3 / Granite (dense and MoE) / OLMo 2 and 3 / OLMoE / GLM-4 / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 1-3 / gpt-oss checkpoints and mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE) built from a config, no download."""
 
 from __future__ import annotations
@@ -140,6 +140,10 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
         config = OlmoeConfig(**{**common, "intermediate_size": 40}, pad_token_id=0, num_experts=8, num_experts_per_tok=2,
                              norm_topk_prob=False)
+    elif arch in ("glm", "glm4"):  # half of each head rotates, in adjacent pairs; q, k, v biases; fused gate and up
+        from transformers import Glm4Config, GlmConfig  # glm4: norms of both blocks' outputs too
+
+        config = (Glm4Config if arch == "glm4" else GlmConfig)(**common, head_dim=16, pad_token_id=0)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -158,7 +162,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
-            if arch in ("smollm3", "granite", "granitemoe") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4")
+            if arch in sharp and name.endswith(("q_proj.weight", "k_proj.weight")):
                 # Sharper attention, so that what shapes it shows: at 0.2, SmolLM3's rotary on a
                 # layer moves logprobs by 0.02, Granite's attention multiplier by 0.009; at 0.6 by
                 # 0.9 and 0.08.

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, Qwen2, Qwen3, Mistral, Phi-3,
-Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and Granite 3's)
+"""Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
+Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and Granite 3's)
 as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
@@ -13,8 +13,8 @@ scores and logits (Gemma 2), and Gemma 3's second rotary base for its sliding-wi
 gpt-oss's are too: attention sinks (a learned logit per head in every softmax), and a mixture
 of experts routed by the softmax of its top-k logits, experts with biases and a clamped SwiGLU.
 SmolLM3's layers without rotary (NoPE), Granite's multipliers (embeddings, attention scores,
-each block's output, logits) and OLMo 2/3's norms (of each block's output only, and of the
-whole query and key projections) are flags too.
+each block's output, logits), OLMo 2/3's norms (of each block's output only, and of the
+whole query and key projections) and GLM's interleaved rotary pairs are flags too.
 Every forward pass works on a flat batch of tokens from many sequences at once (continuous
 batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
@@ -66,6 +66,8 @@ class ModelSpec:
     # partial_rotary_factor (Phi-4-mini): only the first rotary_dim dimensions of each query and
     # key head rotate, the rest pass; None: all of them.
     rotary_dim: int | None = None
+    # GLM: rotary pairs are adjacent dimensions (2i, 2i + 1), not i and i + rotary_dim / 2.
+    interleaved_rotary: bool = False
     # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); 0 experts: a dense model.
     num_experts: int = 0
     experts_per_token: int = 0
@@ -112,7 +114,7 @@ class ModelSpec:
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
-                 "olmo3", "olmoe")
+                 "olmo3", "olmoe", "glm", "glm4")
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -166,18 +168,23 @@ class ModelSpec:
 
     def qk_layout(self) -> torch.Tensor | None:
         """Where each dimension of a query or key head sits here, as indices into Hugging Face's
-        order; None where every dimension rotates (the orders agree).
+        order; None where every dimension rotates in pairs half a head apart (the orders agree).
 
         The rotary step (here and in the C kernels) pairs dimension ``j`` with ``j + head_dim/2``.
-        Hugging Face rotates the first ``rotary_dim`` with pairs ``rotary_dim/2`` apart and passes
-        the rest, so the loader moves the rotated halves to the front of each half of the head
-        and the passed ones after them. Queries and keys move alike: their dot products, and so
-        the attention, are what they were."""
-        if self.rotary_dim is None:
+        Hugging Face rotates the first ``rotary_dim`` with pairs ``rotary_dim/2`` apart (GLM:
+        adjacent, ``2i`` and ``2i + 1``) and passes the rest, so the loader moves each pair's
+        first and second dimensions to the front of each half of the head and the passed ones
+        after them. Queries and keys move alike: their dot products, and so the attention, are
+        what they were."""
+        if self.rotary_dim is None and not self.interleaved_rotary:
             return None
-        a, half, rot = self.rotary_dim // 2, self.head_dim // 2, self.rotary_dim
+        rot = self.rotated
+        a, half = rot // 2, self.head_dim // 2
         rest = half - a  # passed dimensions in each half of the head
-        first, second = torch.arange(a), torch.arange(a, rot)
+        if self.interleaved_rotary:
+            first, second = torch.arange(0, rot, 2), torch.arange(1, rot, 2)
+        else:
+            first, second = torch.arange(a), torch.arange(a, rot)
         return torch.cat((first, rot + torch.arange(rest), second, rot + rest + torch.arange(rest)))
 
     def qkv_row_order(self) -> torch.Tensor | None:
@@ -248,6 +255,7 @@ class ModelSpec:
                         raise ModelError(f"rope scaling `longrope` needs `{key}`: a list of {pairs} numbers, one per rotated pair")
         window, sliding_layers = _sliding_window(cfg, model_type)
         qwen2 = model_type in ("qwen2", "qwen2_moe")
+        glm = model_type in ("glm", "glm4")
         # Gemma's keys, read for Gemma only (transformers ignores them elsewhere).
         softcaps = {
             key: getattr(cfg, key, None) if gemma else None for key in ("attn_logit_softcapping", "final_logit_softcapping")
@@ -283,17 +291,18 @@ class ModelSpec:
             or (model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             sliding_window=window,
-            o_bias=bool(getattr(cfg, "attention_bias", False)) and not qwen2,
+            o_bias=bool(getattr(cfg, "attention_bias", False)) and not qwen2 and not glm,  # theirs has q, k, v's only
             sliding_layers=sliding_layers,
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "olmoe"),
             qk_norm_whole=whole_qk_norms,
             rotary_dim=rotary_dim,
+            interleaved_rotary=glm,
             **_experts(cfg, model_type),
             activation=cls.ACTIVATIONS[act],
             embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier"),
             embed_scale_rounded=gemma,
             offset_norms=gemma,
-            sandwich_norms=model_type in ("gemma2", "gemma3_text") or olmo,
+            sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo,
             input_norms=not olmo,
             float_rotary=olmo,
             query_scale=query_scale,
@@ -318,7 +327,9 @@ def _nope_layers(cfg: Any) -> tuple[int, ...]:
         interval = int(getattr(cfg, "no_rope_layer_interval", 4))
         flags = [int((i + 1) % interval != 0) for i in range(cfg.num_hidden_layers)]
     if len(flags) != cfg.num_hidden_layers:
-        raise ModelError(f"no_rope_layers has {len(flags)} entries; it needs one for each of the {cfg.num_hidden_layers} layers")
+        raise ModelError(
+            f"no_rope_layers has {len(flags)} entries; it needs one for each of the {cfg.num_hidden_layers} layers"
+        )
     return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
 
@@ -821,7 +832,11 @@ class CausalLM(nn.Module):
                     weights.copy(getattr(attn, name).weight, p + f"self_attn.{name}.weight", norm)
             if spec.input_norms:
                 weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
-            if spec.sandwich_norms:  # Gemma 2/3 and OLMo name the attention's output norm post_attention_layernorm
+            if spec.sandwich_norms and weights.has(p + "post_self_attn_layernorm.weight"):  # GLM-4's names
+                weights.copy(layer.attn_out_norm.weight, p + "post_self_attn_layernorm.weight")
+                weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+                weights.copy(layer.mlp_out_norm.weight, p + "post_mlp_layernorm.weight")
+            elif spec.sandwich_norms:  # Gemma 2/3 and OLMo name the attention's output norm post_attention_layernorm
                 weights.copy(layer.attn_out_norm.weight, p + "post_attention_layernorm.weight")
                 if spec.input_norms:
                     weights.copy(layer.post_attention_layernorm.weight, p + "pre_feedforward_layernorm.weight")

@@ -96,13 +96,17 @@ class SparseMoE(nn.Module):
         ``router.layer``), or gpt-oss's (:meth:`_load_gpt_oss`), then the shared expert and its
         gate."""
         sparse = prefix + "block_sparse_moe."
-        moe = sparse if state.has(sparse + "gate.weight") or state.has(sparse + "router.layer.weight") else prefix + "mlp."
-        router = moe + next((name for name in ("router.", "router.layer.") if state.has(moe + name + "weight")), "gate.")
+        granite = state.has(sparse + "router.layer.weight")
+        moe = sparse if granite or state.has(sparse + "gate.weight") else prefix + "mlp."
+        router = moe + ("router.layer." if granite else "router." if state.has(moe + "router.weight") else "gate.")
         state.copy(self.gate.weight, router + "weight")
         if self.gate.bias is not None:
             state.copy(self.gate.bias, router + "bias")
-        stacked = next((pair for pair in (("experts.gate_up_proj", "experts.down_proj"),
-                                          ("input_linear.weight", "output_linear.weight")) if state.has(moe + pair[0])), None)
+        stacked = None
+        if granite:
+            stacked = ("input_linear.weight", "output_linear.weight")
+        elif state.has(moe + "experts.gate_up_proj"):
+            stacked = ("experts.gate_up_proj", "experts.down_proj")
         if self.experts[0].gate_up_proj.bias is not None:  # only gpt-oss's experts have biases
             self._load_gpt_oss(moe, state)
         elif stacked is not None:

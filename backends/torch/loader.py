@@ -180,12 +180,38 @@ def _language_model_weight(key: str) -> str | None:
     return key if key.startswith("lm_head.") else None
 
 
+INDEX = "model.safetensors.index.json"
+"""The file naming which safetensors files hold a sharded checkpoint's weights."""
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files holding a folder's weights: those its index names (``INDEX``), else
+    every ``*.safetensors`` but Mistral's ``consolidated*.safetensors`` where others are there
+    too. Mistral's repositories carry their weights twice, in Hugging Face's names and in
+    Mistral's own (``consolidated.safetensors``); reading both would map the model twice, and
+    Mistral's ``norm.weight`` would stand for Hugging Face's ``model.norm.weight``."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            shards = json.loads(index.read_text())["weight_map"].values()
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (a `weight_map` of names to files): {e}") from None
+        files = sorted({folder / name for name in shards})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names files that are not in {folder}: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    theirs = [f for f in files if not f.name.startswith("consolidated")]
+    return theirs or files
+
+
 def _safetensors_weights(folder: Path, rename: Callable[[str], str | None] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files by name; with ``rename``, by the name it
-    gives, leaving out (and never reading) those it gives None."""
+    """Every tensor of the folder's weight files (:func:`weight_files`) by name; with ``rename``,
+    by the name it gives, leaving out (and never reading) those it gives None."""
     from safetensors import safe_open
 
-    files = sorted(folder.glob("*.safetensors"))
+    files = weight_files(folder)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     weights: dict[str, torch.Tensor] = {}

@@ -10,7 +10,7 @@ import torch
 from router.config import resolve_path
 
 from .engine import EngineOptions, TorchEngine
-from .loader import load_checkpoint
+from .loader import load_checkpoint, weight_files
 from .speculative import NgramOptions
 
 log = logging.getLogger("router.torch")
@@ -77,7 +77,7 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None,  #
                              'use "bfloat16" or "float32"')
         files = [folder / "adapter_model.safetensors" for folder in options.lora_modules.values()]
         if draft_model is not None:  # its weights' files: about what it takes on the device
-            files += [draft_model] if draft_model.is_file() else list(draft_model.glob("*.safetensors"))
+            files += [draft_model] if draft_model.is_file() else weight_files(draft_model)
         adapter_bytes = sum(f.stat().st_size for f in files if f.is_file())
         options.kv_cache_bytes = kv_budget(config, device, dtype, checkpoint, adapter_bytes)
         options.max_model_len = config.max_model_len or checkpoint.spec.context_length

@@ -4,7 +4,9 @@ and as a mixture of experts (Granite-MoE: a softmax over the top-k router logits
 and 3 (no input norms, each block's output normalised, query and key norms over whole
 projections; OLMo 3's sliding layers with a rotary of their own; OLMoE, a mixture of experts
 with OLMo's query and key norms), and GLM-4 (rotary pairs of adjacent dimensions on half of each
-head, and with glm4 norms around each block's output too).
+head, and with glm4 norms around each block's output too), Ministral (a window on the layers
+``layer_types`` names) and Ministral 3 (queries scaled by position past the original context),
+also inside its image-text checkpoint (``mistral3``)).
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -16,11 +18,11 @@ import pytest
 import torch
 
 from backends.torch.model import ModelError, ModelSpec
-from test_torch_engine import assert_greedy_matches_transformers, engine_for, random_prompts, run
+from test_torch_engine import assert_greedy_matches_transformers, engine_for, generate_all, random_prompts, run
 from test_torch_gemma import assert_c_steps_match_the_torch_path, distance, hf_prompt_logprobs, prompt_logprobs
 from torch_models import tiny_checkpoint
 
-ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4"]
+ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # key projections; olmo3: the same, layer 0 sliding over 8 with base 1e4, layer 1 with YaRN;
     # olmoe: Llama's norms, OLMo's query and key norms, 8 experts, 2 a token, not renormalised;
     # glm: 8 of 16 dimensions of each head rotating in adjacent pairs, q/k/v biases, fused gate
-    # and up; glm4: the same with norms of both blocks' outputs (GLM-4's names).
+    # and up; glm4: the same with norms of both blocks' outputs (GLM-4's names); ministral: a
+    # window of 8 on layer 0 only; ministral3: YaRN past 32 positions, queries scaled from there.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -49,7 +52,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     # step rounds where transformers rounds); leaving out any one of what these configs
     # set moves some logprob by more than 0.05 (test_the_tiny_configs_exercise_what_they_set).
     folder = checkpoints[arch]
-    prompt = random_prompts(7, (40,))[0]
+    prompt = random_prompts(7, (60,))[0]  # past Ministral 3's original 32 positions
     engine = engine_for(folder, block_size=4, max_batched_tokens=16, dtype=str(dtype).removeprefix("torch."))
     try:
         got = run(prompt_logprobs(engine, prompt))
@@ -69,13 +72,18 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
                                                       "original_max_position_embeddings": 128},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}}),
     ("glm4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+    ("ministral", {"layer_types": ["full_attention", "full_attention"]}),
+    ("ministral3", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
+        "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.0}}),
 ])
 def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
     # Each feature moves transformers' own float32 logprobs on these weights by 500 times what
     # test_prompt_logprobs_match_transformers allows (measured: SmolLM3's NoPE layer 0.9;
     # Granite's multipliers 0.14, 0.08, 0.14, 0.29): an engine ignoring it cannot pass that test.
     folder = checkpoints[arch]
-    prompt = random_prompts(7, (40,))[0]
+    prompt = random_prompts(7, (60,))[0]
     assert distance(hf_prompt_logprobs(folder, prompt), hf_prompt_logprobs(folder, prompt, **config)) > 0.05
 
 
@@ -84,7 +92,8 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("granitemoe", "int8", "auto"), ("granitemoe", "int4", "auto"),
                                          ("olmo2", "int8", "auto"), ("olmo2", "int4", "bfloat16"),
                                          ("olmo3", "int4", "auto"), ("olmoe", "int8", "auto"), ("olmoe", "int4", "auto"),
-                                         ("glm", "int8", "auto"), ("glm4", "int4", "auto")])
+                                         ("glm", "int8", "auto"), ("glm4", "int4", "auto"),
+                                         ("ministral3", "int4", "auto"), ("ministral3", "int8", "float16")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take
@@ -146,3 +155,39 @@ def test_olmoe_spec_and_its_clip_refused():
     with pytest.raises(ModelError, match="clip_qkv 8.0: clamping queries, keys and values is not supported"):
         ModelSpec.from_hf_config(_config("olmoe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
                                          clip_qkv=8.0))
+
+
+def test_the_language_model_of_a_mistral3_image_text_checkpoint(tmp_path):
+    """Ministral 3's releases are image-text checkpoints (``mistral3``): its language model is
+    served, with transformers' image-text model's own prompt logprobs and greedy output on text."""
+    from transformers import AutoModelForImageTextToText
+
+    folder = tiny_checkpoint(tmp_path / "mm", "mistral3-mm")
+    prompt = random_prompts(7, (60,))[0]
+    prompts = random_prompts(1, (5, 23))
+    engine = engine_for(folder, block_size=4, max_batched_tokens=16)
+    try:
+        got = run(prompt_logprobs(engine, prompt))
+        outs = generate_all(engine, prompts, 20)
+    finally:
+        run(engine.stop())
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        lp = model(input_ids=torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+        for out, p in zip(outs, prompts):
+            ids = torch.tensor([p])
+            assert out == model.generate(input_ids=ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, len(p):].tolist()
+    assert distance(got, lp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()) < 1e-4
+
+
+def test_ministral_specs_and_an_unsupported_language_model():
+    from transformers import Mistral3Config
+
+    s = ModelSpec.from_hf_config(_config("ministral3", sliding_window=64, rope_parameters={
+        "rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384, "llama_4_scaling_beta": 0.1}))
+    assert s.query_position_scaling == (0.1, 16384) and s.sliding_window == 64 and s.sliding_layers is None
+    assert ModelSpec.from_hf_config(_config("ministral3")).query_position_scaling is None  # no beta: no scaling
+    ministral = ModelSpec.from_hf_config(_config("ministral", sliding_window=16, num_hidden_layers=3))
+    assert [ministral.window_of(i) for i in range(3)] == [16, 16, 16]  # no layer_types (transformers 4): every layer
+    with pytest.raises(ModelError, match="the language model of a `mistral3` checkpoint is a `pixtral`"):
+        ModelSpec.from_hf_config(Mistral3Config(text_config={"model_type": "pixtral"}))

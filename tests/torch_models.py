@@ -144,13 +144,31 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         from transformers import Glm4Config, GlmConfig  # glm4: norms of both blocks' outputs too
 
         config = (Glm4Config if arch == "glm4" else GlmConfig)(**common, head_dim=16, pad_token_id=0)
+    elif arch == "ministral":  # a window of 8 on layer 0 only (layer_types)
+        from transformers import MinistralConfig
+
+        config = MinistralConfig(**common, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    elif arch in ("ministral3", "mistral3-mm"):  # YaRN from 32 positions; queries scaled from position 32 on
+        from transformers import Ministral3Config
+
+        config = Ministral3Config(**common, head_dim=16, pad_token_id=0, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
+            "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.5})
+        if arch == "mistral3-mm":  # the image-text model (Ministral 3's releases): a tiny vision tower never read
+            from transformers import Mistral3Config
+
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                          image_size=28, patch_size=14)
+            config = Mistral3Config(text_config=config.to_dict(), vision_config=vision, image_token_index=49151,
+                                    spatial_merge_size=1)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
-    if arch == "gemma3-mm":
+    if arch in ("gemma3-mm", "mistral3-mm"):
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -162,7 +180,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
-            sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4")
+            sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm")
             if arch in sharp and name.endswith(("q_proj.weight", "k_proj.weight")):
                 # Sharper attention, so that what shapes it shows: at 0.2, SmolLM3's rotary on a
                 # layer moves logprobs by 0.02, Granite's attention multiplier by 0.009; at 0.6 by

@@ -160,6 +160,7 @@ class CpuDecoder:
             group=linears[0].group, vocab=head.out_features, block_size=kv.block_size,
             scale=spec.attention_scale, final_eps=model.norm.eps, softcap=spec.attn_softcap or 0.0,
             residual_scale=spec.residual_scale or 1.0,
+            q_scales=f32(model.query_scales) if model.query_scales is not None else None,
             act=int(spec.activation == "gelu_tanh"), layers=layers, final_norm=norm(model.norm),
             lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
             bits=model.layers[0].self_attn.qkv_proj.bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and Granite 3's)
+Ministral (and Ministral 3's position-scaled queries), Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and Granite 3's)
 as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
@@ -68,6 +68,9 @@ class ModelSpec:
     rotary_dim: int | None = None
     # GLM: rotary pairs are adjacent dimensions (2i, 2i + 1), not i and i + rotary_dim / 2.
     interleaved_rotary: bool = False
+    # Ministral 3 (llama_4_scaling_beta): rotated queries times 1 + beta ln(1 + floor(position /
+    # original)), (beta, original); 1 within the original context. None: not scaled.
+    query_position_scaling: tuple[float, int] | None = None
     # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); 0 experts: a dense model.
     num_experts: int = 0
     experts_per_token: int = 0
@@ -114,7 +117,9 @@ class ModelSpec:
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
-                 "olmo3", "olmoe", "glm", "glm4")
+                 "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3")
+    IMAGE_TEXT = ("gemma3", "mistral3")
+    """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -214,8 +219,10 @@ class ModelSpec:
         model_type = getattr(cfg, "model_type", None)
         if model_type not in cls.SUPPORTED:
             raise ModelError(f"model_type `{model_type}` is not supported; supported: {', '.join(cls.SUPPORTED)}")
-        if model_type == "gemma3":  # Gemma 3 from 4B up reads images too; its language model is served
-            cfg, model_type = cfg.text_config, cfg.text_config.model_type
+        if model_type in cls.IMAGE_TEXT:  # Gemma 3 from 4B up, Mistral Small 3.1+: their language model
+            outer, cfg, model_type = model_type, cfg.text_config, cfg.text_config.model_type
+            if model_type not in cls.SUPPORTED or model_type in cls.IMAGE_TEXT:
+                raise ModelError(f"the language model of a `{outer}` checkpoint is a `{model_type}`, which is not supported")
         gemma = model_type in cls.GEMMA
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
@@ -297,6 +304,7 @@ class ModelSpec:
             qk_norm_whole=whole_qk_norms,
             rotary_dim=rotary_dim,
             interleaved_rotary=glm,
+            query_position_scaling=_query_position_scaling(scaling) if model_type == "ministral3" else None,
             **_experts(cfg, model_type),
             activation=cls.ACTIVATIONS[act],
             embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier"),
@@ -345,6 +353,17 @@ def _granite_multipliers(cfg: Any) -> dict[str, float]:
         if value != 1.0 or key == "attention_multiplier":  # 1 is a real scale for scores, not "none"
             found[key] = float(value)
     return found
+
+
+def _query_position_scaling(scaling: dict[str, Any] | None) -> tuple[float, int] | None:
+    """Ministral 3's (beta, original context) from its rope parameters; None without a beta."""
+    beta = (scaling or {}).get("llama_4_scaling_beta")
+    if beta is None:
+        return None
+    original = scaling.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original < 1:
+        raise ModelError("llama_4_scaling_beta needs the rope parameters' original_max_position_embeddings")
+    return float(beta), original
 
 
 def _rope_scaling(rope: dict[str, Any], cfg: Any) -> dict[str, Any] | None:
@@ -403,17 +422,19 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     Phi-3 slide on every layer, and Qwen3-MoE does with ``use_sliding_window`` (its config drops
     the window without it); the other Qwens only with ``use_sliding_window``, on the layers
     ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Gemma 2
-    and 3, gpt-oss and OLMo 3 on the layers ``layer_types`` names (else every second, five of
-    every six, or three of every four); Llama and Gemma never."""
+    and 3, gpt-oss, OLMo 3 and Ministral on the layers ``layer_types`` names (else every second,
+    five of every six, three of every four, or all); Ministral 3 on every layer; Llama and
+    Gemma never."""
     window = getattr(cfg, "sliding_window", None)
     if model_type in ("llama", "gemma") or not window:
         return None, None
-    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
+    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3"):
-        if types is None:  # transformers 4.x: the pattern alone
-            pattern = {"gemma3_text": getattr(cfg, "sliding_window_pattern", 6), "olmo3": 4}.get(model_type, 2)
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral"):
+        if types is None:  # transformers 4.x: the pattern alone (Ministral: every layer)
+            pattern = {"gemma3_text": getattr(cfg, "sliding_window_pattern", 6), "olmo3": 4,
+                       "ministral": cfg.num_hidden_layers + 1}.get(model_type, 2)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg.num_hidden_layers)]
         layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
         return (int(window), layers) if layers else (None, None)
@@ -579,6 +600,13 @@ class Rotary(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
+def query_position_scales(beta: float, original: int, max_len: int) -> torch.Tensor:
+    """Ministral 3's factor on the query at each position up to ``max_len``, float32, as
+    transformers computes it: ``1 + beta * ln(1 + floor(position / original))``."""
+    positions = torch.arange(max_len)
+    return 1 + beta * torch.log(1 + torch.floor(positions / original))
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, half: int) -> torch.Tensor:
     return x * cos + x.roll(half, dims=-1) * signed_sin
 
@@ -633,7 +661,11 @@ class Attention(nn.Module):
         self.k_norm = _norm(spec, self.kv_size if self.whole_qk_norm else spec.head_dim) if spec.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+        q_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``q_scale``: each row's factor on its rotated query ``[n, 1, 1]`` (Ministral 3), or None."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.whole_qk_norm:  # OLMo: each projection normalised as one vector
@@ -646,6 +678,8 @@ class Attention(nn.Module):
         if self.rotates:  # q and k together: one set of ops for both (float32 tables: OLMo's, rounded once)
             qk = apply_rotary(qk, *rope, self.half).to(qkv.dtype)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if q_scale is not None:
+            q = q * q_scale
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
         return self.o_proj(out.reshape(n, self.q_size))
@@ -700,8 +734,11 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.activation)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        h = self.self_attn(_normed(self.input_layernorm, x), rope, meta)
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+        q_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.self_attn(_normed(self.input_layernorm, x), rope, meta, q_scale)
         x = x + self._branch(h, self.attn_out_norm)
         h = self.mlp(_normed(self.post_attention_layernorm, x))
         return x + self._branch(h, self.mlp_out_norm)
@@ -732,10 +769,14 @@ class CausalLM(nn.Module):
 
     def _rotaries(self, max_len: int) -> None:
         """The rotary tables: every layer's, or (Gemma 3) the full-attention layers' in ``rotary``
-        and the sliding-window layers' in ``local_rotary``."""
+        and the sliding-window layers' in ``local_rotary``; Ministral 3's query scales by position
+        (``query_scales``, else None)."""
         local = self.spec.local_rope()
         self.rotary = Rotary(self.spec, max_len)
         self.local_rotary = Rotary(local, max_len) if local is not None else None
+        scaling = self.spec.query_position_scaling
+        scales = query_position_scales(*scaling, max_len) if scaling is not None else None
+        self.register_buffer("query_scales", scales, persistent=False)  # moves with the model, as the tables do
 
     def embed_scale(self, dtype: torch.dtype) -> float | None:
         """The embeddings' factor: Granite's as it is, Gemma's rounded to ``dtype`` (transformers
@@ -788,8 +829,11 @@ class CausalLM(nn.Module):
         rope_dtype = torch.float32 if self.spec.float_rotary else x.dtype
         rope = self.rotary.tables(positions, rope_dtype)
         local = self.local_rotary.tables(positions, rope_dtype) if self.local_rotary is not None else rope
+        q_scale = None
+        if self.query_scales is not None:
+            q_scale = self.query_scales[positions].to(x.dtype)[:, None, None]
         for layer in self.layers:
-            x = layer(x, local if layer.self_attn.sliding else rope, meta)
+            x = layer(x, local if layer.self_attn.sliding else rope, meta, q_scale)
         # Only rows that sample need the (large) vocabulary projection.
         return self.final_logits(self.lm_head(self.norm(x[logits_rows])))
 

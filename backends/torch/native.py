@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 15
+ABI = 16
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -76,7 +76,7 @@ class RkModel(ctypes.Structure):
         ("num_layers", _I), ("hidden", _I), ("inter", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
         ("group", _I), ("vocab", _I), ("block_size", _I),
         ("scale", ctypes.c_float), ("final_eps", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("residual_scale", ctypes.c_float), ("act", ctypes.c_int),
+        ("residual_scale", ctypes.c_float), ("q_scales", _P), ("act", ctypes.c_int),
         ("layers", ctypes.POINTER(RkLayer)),
         ("final_norm", _P),
         ("lm_head", _P), ("lm_head_kp", _I),

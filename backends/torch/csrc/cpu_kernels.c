@@ -52,7 +52,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 15; }
+int rk_abi(void) { return 16; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -502,7 +502,8 @@ static inline __attribute__((always_inline)) void attend(
  * and length over the same table row, so it attends causally to the chunk's earlier tokens (every
  * row's keys are in the cache before any row attends).
  * cos, ssin: [max_len, D] tables (see model.Rotary); NULL: the layer does not rotate (SmolLM3's
- * NoPE layers). out [M, H D]. scratch: RK_SHARE * max_len
+ * NoPE layers). q_scales: [max_len] factors on the rotated queries by position (Ministral 3), or
+ * NULL. out [M, H D]. scratch: RK_SHARE * max_len
  * floats for each of the rk_threads() threads. kind: the caches' element type (RK_F32, RK_F16,
  * RK_BF16).
  *
@@ -515,12 +516,14 @@ static inline __attribute__((always_inline)) void attend(
 static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
                       const float *cos, const float *ssin, void *k_cache, void *v_cache, const int64_t *slot,
                       const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t bs,
-                      int64_t window, float scale, float softcap, const float *sinks, int64_t max_len, int kind,
-                      float *scratch, float *out) {
+                      int64_t window, float scale, float softcap, const float *sinks, const float *q_scales,
+                      int64_t max_len, int kind, float *scratch, float *out) {
     const int64_t group = H / KVH, stride = KVH * D;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * qs;
         if (cos) rotate(row, H + KVH, D, cos + pos[m] * D, ssin + pos[m] * D);
+        if (q_scales)
+            for (int64_t i = 0; i < H * D; i++) row[i] *= q_scales[pos[m]];
         kv_store(k_cache, slot[m] * stride, row + H * D, stride, kind);
         kv_store(v_cache, slot[m] * stride, row + (H + KVH) * D, stride, kind);
     }
@@ -564,7 +567,7 @@ int rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KV
     float *scratch = malloc((size_t)(rk_threads() * RK_SHARE * max_len) * sizeof(float));
     if (!scratch) return 0;
     attention(qkv, M, qs, H, KVH, D, pos, cos, ssin, k_cache, v_cache, slot, table, tw, tab_of, len, bs, window,
-              scale, softcap, NULL, max_len, kind, scratch, out);
+              scale, softcap, NULL, NULL, max_len, kind, scratch, out);
     free(scratch);
     return 1;
 }
@@ -1068,6 +1071,7 @@ typedef struct {
     float scale, final_eps;
     float softcap; /* the attention scores' tanh cap (Gemma 2); 0: none */
     float residual_scale; /* Granite: each block's output times this before its residual add; 1: none */
+    const float *q_scales; /* Ministral 3: [max positions] factors on the rotated queries; NULL: none */
     int act; /* the gated MLP's activation: 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU) */
     const rk_layer *layers;
     const float *final_norm;
@@ -1280,8 +1284,8 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
         } else if (l->q_norm)
             head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
         attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, l->cos, l->sin, l->k_cache, l->v_cache, slot,
-                  table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, max_len,
-                  md->kv_kind, scores, attn);
+                  table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, md->q_scales,
+                  max_len, md->kv_kind, scores, attn);
         rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
         rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, out, H, lx);

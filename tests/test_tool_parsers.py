@@ -139,6 +139,10 @@ MISTRAL_TWO = (
 MISTRAL_TEXT_FIRST = (
     'Let me check that. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 )
+# Tokenizers v11 on (Mistral Small 3.2, Magistral, Devstral, Ministral 3): a name, then [ARGS].
+MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[ARGS]{"q": "Paris events"}'
+MISTRAL_NAMED_ID = 'Checking.[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}'
+
 UNICODE = (
     'Wetter in Zürich ☀️:\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 🌧"}}\n'
     "</tool_call>\nDanach: ✓"
@@ -173,6 +177,8 @@ SAMPLES = [
     ("mistral", MISTRAL_TWO, "", [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "Paris events"}')]),
     ("mistral", MISTRAL_TEXT_FIRST, "Let me check that.", [("get_weather", '{"city": "Paris"}')]),
     ("mistral", NOT_A_MARKER, NOT_A_MARKER, []),
+    ("mistral", MISTRAL_NAMED, "", [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "Paris events"}')]),
+    ("mistral", MISTRAL_NAMED_ID, "Checking.", [("get_weather", '{"city": "Paris"}')]),
     ("granite", GRANITE_ONE, "", [("get_weather", '{"city": "Paris"}')]),
     ("granite", GRANITE_TWO, "", [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "Paris events"}')]),
     ("granite", GRANITE_SPELLED, "Checking.", [("get_time", "{}")]),
@@ -208,7 +214,7 @@ def test_random_splits_give_the_same_result(fmt, text, content, pairs):
 
 @pytest.mark.parametrize("fmt,text", [
     ("hermes", QWEN_NESTED), ("hermes", UNICODE), ("llama3_json", LLAMA_TAG), ("mistral", MISTRAL_TWO),
-    ("granite", GRANITE_TWO),
+    ("granite", GRANITE_TWO), ("mistral", MISTRAL_NAMED),
 ])
 def test_arguments_stream_as_soon_as_written(fmt, text):
     """After each character, the arguments sent so far are exactly the arguments value written
@@ -465,10 +471,25 @@ def test_mistral_bare_object_and_text_after():
 
 
 def test_mistral_malformed_array_is_dropped():
-    r = whole("mistral", 'Hi [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}')
+    r = whole("mistral", 'Hi [TOOL_CALLS]get weather[ARGS]{"city": "Paris"}')  # no name has a space
     assert (r.content, r.calls) == ("Hi", [])
     r = whole("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}} {"name": "search"}]')
     assert r.pairs == [("get_time", "{}")]
+
+
+@pytest.mark.parametrize("text,content,pairs", [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"} Anything else?', "Anything else?",
+     [("get_weather", '{"city": "Paris"}')]),
+    ("[TOOL_CALLS]get_time[ARGS]42", "", [("get_time", "42")]),  # arguments as written, not an object
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', "", [("get_weather", '{"city": "Par')]),  # cut off
+    ("[TOOL_CALLS]get_wea", "", []),  # cut off before [ARGS]: no call, and not content
+    ("[TOOL_CALLS]get_time[CALL_ID][ARGS]{}", "", [("get_time", "{}")]),
+    ("[TOOL_CALLS][ARGS]{}", "", []),  # no name
+    ('[TOOL_CALLS]get_time{"a": 1}', "", []),  # no [ARGS]
+])
+def test_mistral_named_calls_edge_cases(text, content, pairs):
+    r = whole("mistral", text)
+    assert (r.content, r.pairs) == (content, pairs)
 
 
 # -- the parser object ----------------------------------------------------------------------------
@@ -625,6 +646,21 @@ def test_grammar_errors_are_values(fmt):
         cls.grammar([], None, False)
 
 
+def test_mistrals_grammar_takes_named_calls_too(ll_tokenizer):
+    # Tokenizers v11 on write [TOOL_CALLS]name[ARGS]{...}; the grammar lets the model take
+    # either form, and the parser reads back what it wrote.
+    named = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    two = named + "[TOOL_CALLS]get_time[ARGS]{}"
+    assert accepts(matcher(ll_tokenizer, "mistral"), named)
+    assert accepts(matcher(ll_tokenizer, "mistral", parallel=True), two)
+    assert not accepts(matcher(ll_tokenizer, "mistral"), two)
+    assert not accepts(matcher(ll_tokenizer, "mistral", choice="get_time"), named)
+    assert not accepts(matcher(ll_tokenizer, "mistral"), '[TOOL_CALLS]get_weather[ARGS]{"city": 7}')
+    assert not accepts(matcher(ll_tokenizer, "granite"), "<|tool_call|>get_time[ARGS]{}")  # Mistral's own
+    assert [(n, json.loads(a)) for n, a in run("mistral", chars(two)).pairs] == [("get_weather", {"city": "Paris"}),
+                                                                                  ("get_time", {})]
+
+
 def test_grammar_text_for_one_tool():
     grammar = get_parser("hermes").grammar([WEATHER], None, False)
     assert grammar.splitlines()[:4] == [
@@ -645,7 +681,7 @@ def test_grammar_text_for_one_tool():
 
 PIECES = [
     "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", "<tool", "[TOOL", "<|py",
-    "<|tool",
+    "<|tool", "[ARGS]", "[CALL_ID]", "get_time", "[A",
     "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', '"get_time"', '"search"', ": ", ", ",
     ";", " ", "\n", "x", "\\", '"', "<", "1", "true", "é", "🌧",
 ]
@@ -711,6 +747,11 @@ def random_reply(fmt: str, rng: random.Random) -> tuple[str, list[tuple[str, dic
             f"<tool_call>{ws()}{o}{ws()}</tool_call>" for o in objects)
     elif fmt == "llama3_json":
         text = rng.choice(["", "<|python_tag|>"]) + "; ".join(objects)
+    elif fmt == "mistral" and rng.random() < 0.5:  # v11: each call its name, [ARGS] and its arguments alone
+        text = rng.choice(["", "Calling: "]) + "".join(
+            f"[TOOL_CALLS]{name}{rng.choice(['', '[CALL_ID]x9Yz'])}[ARGS]{ws()}"
+            f"{json.dumps(args, indent=rng.choice([None, 2]), ensure_ascii=rng.random() < 0.5)}{ws()}"
+            for name, args in calls)
     else:
         marker = rng.choice(["<|tool_call|>", "<tool_call>"]) if fmt == "granite" else "[TOOL_CALLS]"
         text = rng.choice(["", "Calling: "]) + marker + ws() + "[" + ", ".join(objects) + "]"

@@ -22,3 +22,4 @@ class GraniteParser(MistralParser):
 
     name = "granite"
     markers = (TOOL_CALL, SPELLED_OUT)
+    named_calls = False  # Mistral's v11 form is Mistral's own

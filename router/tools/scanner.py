@@ -1,4 +1,5 @@
-"""Reading one call object, ``{"name": "f", "arguments": {...}}``, as its text streams in.
+"""Reading one call object, ``{"name": "f", "arguments": {...}}``, as its text streams in (or
+a bare arguments value whose name came in the markup: :meth:`CallScanner.arguments_of`).
 
 Every format wraps the same object in different markup, so this is the one place that knows
 JSON: where a key, a string or a nested value ends, which value is the name and which the
@@ -33,7 +34,7 @@ class CallScanner:
 
     __slots__ = (
         "index", "name", "_keys", "_state", "_key_raw", "_key", "_role", "_name_raw", "_args",
-        "_args_seen", "_kind", "_stack", "_in_str", "_esc",
+        "_args_seen", "_kind", "_stack", "_in_str", "_esc", "_bare",
     )
 
     def __init__(self, argument_keys: tuple[str, ...] = ("arguments",)) -> None:
@@ -52,10 +53,20 @@ class CallScanner:
         self._stack: list[str] = []  # closers expected inside a container value
         self._in_str = False
         self._esc = False
+        self._bare = False  # an arguments value alone (arguments_of): done when it ends
+
+    @classmethod
+    def arguments_of(cls, name: str) -> "CallScanner":
+        """A reader of one bare JSON arguments value (no call object around it) for a call
+        named ``name``: Mistral's ``[TOOL_CALLS]name[ARGS]{...}``. :attr:`done` once the value
+        has ended; whitespace before it is skipped."""
+        scanner = cls()
+        scanner.name, scanner._key, scanner._state, scanner._bare = name, scanner._keys[0], _VALUE_START, True
+        return scanner
 
     @property
     def done(self) -> bool:
-        """The object's closing brace has been read."""
+        """The object's closing brace (a bare value's end) has been read."""
         return self._state == _DONE
 
     @property
@@ -84,6 +95,8 @@ class CallScanner:
                         return i
                     continue
                 state = self._state  # a literal ended before c: read c as what follows it
+                if state == _DONE:  # a bare value's end: c is not ours
+                    return i
             if c in _WS and state != _KEY:
                 continue
             if state == _KEY:
@@ -207,6 +220,8 @@ class CallScanner:
         self._state = _AFTER_VALUE
         if self._role == _ARGS:
             self._args_seen = True
+            if self._bare:
+                self._state = _DONE
         elif self._role == _NAME:
             try:
                 name = json.loads("".join(self._name_raw))

@@ -7,7 +7,7 @@ response's message then has a ``reasoning`` field (what vLLM calls it; it was
 ``content`` after. Tool calls are looked for in the content only (stop strings in the whole
 text, before this split).
 
-Two formats, both ``<think>`` and ``</think>`` written as text (in Qwen3's and DeepSeek-R1's
+Three formats. Two write ``<think>`` and ``</think>`` as text (in Qwen3's and DeepSeek-R1's
 vocabularies they are added tokens that are not control tokens, so the detokenizer keeps them):
 
 - ``deepseek_r1``: the output is reasoning until ``</think>``. R1's template opens the block in
@@ -17,6 +17,10 @@ vocabularies they are added tokens that are not control tokens, so the detokeniz
   one the prompt opens (Qwen3's thinking-only models end their prompt with ``<think>``). With
   ``enable_thinking: false`` Qwen3's template closes an empty block in the prompt, and the
   output is content.
+
+The third, ``mistral`` (Magistral, Ministral 3's reasoning models), reads as ``qwen3`` does with
+``[THINK]`` and ``[/THINK]``, control tokens in Mistral's vocabularies (``reads_control_tokens``:
+the detokenizer spells them out for it), as vLLM's ``mistral`` reasoning parser does.
 
 The template's layout is not part of either field: whitespace right after ``<think>`` and
 ``</think>`` and right before ``</think>`` is dropped. A parser is one choice's state, fed text
@@ -101,6 +105,8 @@ class ReasoningParser(ReplySplitter):
     name: ClassVar[str]
     starts_thinking: ClassVar[bool]
     """Whether an output that opens no block is reasoning (until ``</think>``)."""
+    open_marker: ClassVar[str] = OPEN
+    close_marker: ClassVar[str] = CLOSE
 
     def __init__(self, prompt_opens: bool) -> None:
         super().__init__()
@@ -116,10 +122,10 @@ class ReasoningParser(ReplySplitter):
     def _feed(self, out: ReasoningDelta, final: bool) -> None:
         while True:
             if self._mode == "start":
-                head = self._buf.lstrip()
-                if head.startswith(OPEN):
-                    self._buf, self._mode, self._trim = head[len(OPEN) :], "reasoning", True
-                elif not final and OPEN.startswith(head):
+                head, opener = self._buf.lstrip(), self.open_marker
+                if head.startswith(opener):
+                    self._buf, self._mode, self._trim = head[len(opener) :], "reasoning", True
+                elif not final and opener.startswith(head):
                     return  # nothing yet, or the beginning of <think>: wait
                 else:
                     self._mode = self._otherwise
@@ -134,17 +140,18 @@ class ReasoningParser(ReplySplitter):
                 out.content += self._buf
                 self._buf = ""
                 return
-            at = self._buf.find(CLOSE)
+            closer = self.close_marker
+            at = self._buf.find(closer)
             if at >= 0:
                 self._reason(out, self._buf[:at].rstrip())
-                self._buf, self._mode, self._trim = self._buf[at + len(CLOSE) :], "content", True
+                self._buf, self._mode, self._trim = self._buf[at + len(closer) :], "content", True
                 continue
             if final:
                 self._reason(out, self._buf.rstrip())
                 self._buf = ""
                 return
             # Hold back what may begin </think>, and whitespace that may turn out to precede it.
-            safe = self._buf[: len(self._buf) - partial_marker(self._buf, CLOSE)].rstrip()
+            safe = self._buf[: len(self._buf) - partial_marker(self._buf, closer)].rstrip()
             self._reason(out, safe)
             self._buf = self._buf[len(safe) :]
             return
@@ -169,10 +176,20 @@ class Qwen3Parser(ReasoningParser):
     starts_thinking = False
 
 
-PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser)}
+class MistralParser(ReasoningParser):
+    """Magistral and Ministral 3's reasoning models: Qwen3's reading of ``[THINK]`` blocks."""
+
+    name = "mistral"
+    starts_thinking = False
+    open_marker, close_marker = "[THINK]", "[/THINK]"
+    reads_control_tokens = True
+
+
+PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, MistralParser)}
 """Reasoning formats by the name a model's ``reasoning_parser`` gives."""
 
 
-def prompt_opens_thinking(prompt_tail: str) -> bool:
-    """Whether a prompt whose last characters are ``prompt_tail`` leaves a ``<think>`` block open."""
-    return prompt_tail.rstrip().endswith(OPEN)
+def prompt_opens_thinking(prompt_tail: str, opener: str = OPEN) -> bool:
+    """Whether a prompt whose last characters are ``prompt_tail`` leaves a block open (``opener``:
+    the format's marker, ``<think>`` unless it says otherwise)."""
+    return prompt_tail.rstrip().endswith(opener)

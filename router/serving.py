@@ -624,14 +624,16 @@ def _reasoning_parser(backend: "LocalBackend", params: GenerationParams, prompt:
         return partial(HarmonyParser, params.tools)
     from .reasoning import PARSERS
 
-    return partial(PARSERS[name], _prompt_opens_thinking(backend.engine.tokenizer, prompt))
+    parser = PARSERS[name]
+    return partial(parser, _prompt_opens_thinking(backend.engine.tokenizer, prompt, parser.open_marker))
 
 
-def _prompt_opens_thinking(tok: Tokenizer, prompt: list[int]) -> bool:
+def _prompt_opens_thinking(tok: Tokenizer, prompt: list[int], opener: str) -> bool:
     from .reasoning import prompt_opens_thinking
 
-    # The last few tokens are enough to see whether the template ends the prompt with <think>.
-    return prompt_opens_thinking(tok.decode(prompt[-8:]))
+    # The last few tokens are enough to see whether the template ends the prompt with <think>
+    # (spelled out: Mistral's [THINK] is a control token).
+    return prompt_opens_thinking(tok.decode(prompt[-8:], skip_special_tokens=False), opener)
 
 
 def _after_reasoning(constraints: list[Any], thinking: partial, params: GenerationParams,
@@ -644,7 +646,6 @@ def _after_reasoning(constraints: list[Any], thinking: partial, params: Generati
     ``thinking``: what :func:`_reasoning_parser` returned; a think-block parser's one argument
     says whether the prompt leaves a block open."""
     from .harmony import HarmonyParser
-    from .reasoning import CLOSE, OPEN
     from .thinking_gate import AfterReasoning
 
     parser, opener = thinking.func, None
@@ -653,10 +654,10 @@ def _after_reasoning(constraints: list[Any], thinking: partial, params: Generati
             return constraints
         end = HarmonyParser.answer_marker
     else:
-        end = CLOSE.encode()
+        end = parser.close_marker.encode()
         (prompt_opens,) = thinking.args
         if not parser.starts_thinking and not prompt_opens:
-            ids = tok.encode(OPEN, add_special_tokens=False, parse_special=True)
+            ids = tok.encode(parser.open_marker, add_special_tokens=False, parse_special=True)
             if len(ids) != 1:
                 return constraints
             opener = ids[0]

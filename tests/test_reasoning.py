@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.reasoning import PARSERS, DeepSeekR1Parser, Qwen3Parser, prompt_opens_thinking
+from router.reasoning import PARSERS, DeepSeekR1Parser, MistralParser, Qwen3Parser, prompt_opens_thinking
 
 
 def parse(parser_type, pieces, prompt_opens=False):
@@ -44,6 +44,12 @@ CASES = [
     (DeepSeekR1Parser, True, "\n\nx\n</think>\n\n", "x", ""),
     (DeepSeekR1Parser, False, "", None, ""),
     (DeepSeekR1Parser, False, "é😀</think>ü", "é😀", "ü"),
+    (MistralParser, False, "[THINK]\nI think.\n[/THINK]\n\nHello", "I think.", "Hello"),
+    (MistralParser, False, "Hello", None, "Hello"),
+    (MistralParser, False, "<think>a</think>b", None, "<think>a</think>b"),  # Qwen's markers are text here
+    (MistralParser, False, "[THINK]cut off", "cut off", ""),
+    (MistralParser, False, "[THIN", None, "[THIN"),
+    (MistralParser, True, "x[/THINK]y", "x", "y"),
 ]
 
 
@@ -68,7 +74,7 @@ def test_any_split_gives_the_same_texts(parser_type, opens, text, reasoning, con
 
 def test_random_long_texts_split_anywhere():
     rng = random.Random(3)
-    alphabet = ["<think>", "</think>", "<", "/", "think", ">", " ", "\n", "a", "b"]
+    alphabet = ["<think>", "</think>", "<", "/", "think", ">", " ", "\n", "a", "b", "[THINK]", "[/THINK]", "[", "THINK]"]
     for _ in range(300):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 25)))
         for parser_type, opens in itertools.product(PARSERS.values(), (False, True)):
@@ -98,6 +104,7 @@ def test_nothing_is_sent_while_the_start_may_still_be_a_marker():
 )
 def test_prompt_opens_thinking(tail, opens):
     assert prompt_opens_thinking(tail) is opens
+    assert prompt_opens_thinking(tail.replace("<think>", "[THINK]").replace("</think>", "[/THINK]"), "[THINK]") is opens
 
 
 # --- through the serving pipeline (a scripted engine; real HTTP with real models in test_reasoning_e2e) ---
@@ -275,3 +282,60 @@ def test_usage_counts_the_reasoning_tokens(client):
     THINKER.script = tok.encode("hello world", add_special_tokens=False) + [EOS]
     usage = client.post("/v1/chat/completions", json=ask("q3")).json()["usage"]
     assert usage["completion_tokens_details"]["reasoning_tokens"] == 0
+
+
+# --- Mistral's [THINK] blocks: control tokens, spelled out for the parser ---
+
+from fakes import ByteTokenizer  # noqa: E402
+
+MISTRAL_TOK = ByteTokenizer(["[THINK]", "[/THINK]"])
+
+
+class MistralThinker(ThinkingEngine):
+    def __init__(self):
+        super().__init__()
+        self.tokenizer = MISTRAL_TOK
+        self.script = MISTRAL_TOK.encode("[THINK]ab bc[/THINK]\n\nhello world", add_special_tokens=False) + [EOS]
+
+
+MAGISTRAL = MistralThinker()
+
+
+@pytest.fixture
+def mistral_client():
+    found = load_plugins(entrypoints=False, extra=[MagistralPlugin(), plugins.sampling, plugins.templating,
+                                                   plugins.reasoning, plugins.structured_outputs])
+    config = b'[[models]]\nname="magistral"\nbackend="magistral"\nreasoning_parser="mistral"\n'
+    with TestClient(create_app(parse_config(config, found.backends), found), raise_server_exceptions=False) as c:
+        c.get("/health")
+        yield c
+
+
+class MagistralPlugin:
+    __name__ = "magistral"
+
+    @hookimpl
+    def register_backends(self, register):
+        register("magistral", type("Magistral", (LocalBackend,), {"create_engine": lambda self: MAGISTRAL}))
+
+
+def test_mistrals_think_blocks_are_read_though_their_markers_are_control_tokens(mistral_client):
+    # Were control tokens left out of the text the parser reads, all of it would be content.
+    body = mistral_client.post("/v1/chat/completions", json=ask("magistral")).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hello world", "reasoning": "ab bc"}
+    got = deltas(mistral_client, ask("magistral"))
+    assert "".join(d.get("reasoning", "") for d in got) == "ab bc"
+    assert "".join(d.get("content", "") for d in got) == "hello world"
+    # A constraint begins after [/THINK]; with no block in the prompt the one-token [THINK] opens it.
+    from router.thinking_gate import AfterReasoning
+
+    r = mistral_client.post("/v1/chat/completions", json=ask("magistral", structured_outputs={"choice": ["yes", "no"]}))
+    assert r.status_code == 200, r.text
+    gate = MAGISTRAL.seen[-1].constraint
+    assert isinstance(gate, AfterReasoning)
+    think, end = (MISTRAL_TOK.encode(m, add_special_tokens=False) for m in ("[THINK]", "[/THINK]"))
+    assert len(think) == len(end) == 1
+    gate.advance(think[0])
+    assert gate.reasoning and gate.allowed() is None
+    gate.advance(end[0])
+    assert not gate.reasoning and gate.allowed()[MISTRAL_TOK.encode("y", add_special_tokens=False)[0]]

@@ -180,7 +180,7 @@ class HarmonyParser(ReplySplitter):
             out.content += text
 
     @classmethod
-    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool) -> str:
+    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool, control=None) -> str:
         """A Lark grammar for llguidance forcing one call in harmony's shape, as OpenAI's harmony
         guide shows the model writing one (the recipient in the channel's part; gpt-oss's
         template puts it in the role's part of calls in the history, which the parser reads

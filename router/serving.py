@@ -604,8 +604,11 @@ def _tool_parser(backend: "LocalBackend", params: GenerationParams) -> Any:
             )
         forced = None if params.tool_choice == "required" else params.tool_choice
         # A named function means one call to it; "required" may call several when allowed.
+        from .tools.grammar import control_markers
+
         try:
-            grammar = parser.grammar(params.tools, forced, params.parallel_tool_calls and forced is None)
+            grammar = parser.grammar(params.tools, forced, params.parallel_tool_calls and forced is None,
+                                     control_markers(backend.engine.tokenizer))
         except ValueError as exc:
             raise BadRequest(str(exc), param="tool_choice") from None
         params.constraint = ConstraintSpec("grammar", grammar, "tool_choice")

@@ -418,6 +418,25 @@ def test_a_call_marker_is_read_though_it_is_a_control_token(client, model, said)
     assert client.post("/v1/chat/completions", json=ask("raw")).json()["choices"][0]["message"]["content"] == text
 
 
+def test_a_forced_mistral_call_masks_in_the_control_tokens(client):
+    # Through the serving pipeline: the grammar writes [TOOL_CALLS] and [ARGS] as this
+    # vocabulary's control tokens, so they are what the mask allows first.
+    script("[TOOL_CALLS]get_time[ARGS]{}")
+    body = ask("mistral", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert [c["function"]["name"] for c in r.json()["choices"][0]["message"]["tool_calls"]] == ["get_time"]
+    gate = HARMONY.seen[-1].constraint
+    (marker,) = tok.encode("[TOOL_CALLS]", add_special_tokens=False)
+    allowed = gate.allowed()
+    assert allowed[marker] and not allowed[ord("[")]
+    gate.advance(marker)
+    for t in tok.encode("get_time", add_special_tokens=False):
+        gate.advance(t)
+    (args,) = tok.encode("[ARGS]", add_special_tokens=False)
+    assert gate.allowed()[args] and not gate.allowed()[ord("[")]
+
+
 def test_a_constraint_begins_with_the_final_message_but_a_forced_call_at_once(client):
     from router.constraints import TokenConstraint
     from router.thinking_gate import AfterReasoning

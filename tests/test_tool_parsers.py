@@ -471,7 +471,7 @@ def test_mistral_bare_object_and_text_after():
 
 
 def test_mistral_malformed_array_is_dropped():
-    r = whole("mistral", 'Hi [TOOL_CALLS]get weather[ARGS]{"city": "Paris"}')  # no name has a space
+    r = whole("mistral", 'Hi [TOOL_CALLS]get_weather\n[ARGS]{"city": "Paris"}')  # a name is one line
     assert (r.content, r.calls) == ("Hi", [])
     r = whole("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}} {"name": "search"}]')
     assert r.pairs == [("get_time", "{}")]
@@ -486,6 +486,7 @@ def test_mistral_malformed_array_is_dropped():
     ("[TOOL_CALLS]get_time[CALL_ID][ARGS]{}", "", [("get_time", "{}")]),
     ("[TOOL_CALLS][ARGS]{}", "", []),  # no name
     ('[TOOL_CALLS]get_time{"a": 1}', "", []),  # no [ARGS]
+    ("[TOOL_CALLS]ns/get time[ARGS]{}", "", [("ns/get time", "{}")]),  # any name a tool may have
 ])
 def test_mistral_named_calls_edge_cases(text, content, pairs):
     r = whole("mistral", text)
@@ -794,3 +795,53 @@ def test_injected_calls_are_written_so_that_the_parser_reads_them_back(fmt):
     r = whole(fmt, assistant["content"])
     assert r.content == "" and [(n, json.loads(a)) for n, a in r.pairs] == [("get_weather", {"city": "Zürich"}),
                                                                           ("get_time", {})]
+
+
+# -- markers that are control tokens in the model's vocabulary ---------------------------------------
+
+CONTROL_TOK = ByteTokenizer(["[TOOL_CALLS]", "[ARGS]", "<|tool_call|>"])
+
+
+def control_matcher(fmt, tools=TOOLS, choice=None, parallel=False):
+    from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    from router.constraints import _TokenTable
+    from router.tools.grammar import control_markers
+
+    ll = LLTokenizer(TokenizerWrapper(_TokenTable(CONTROL_TOK)))
+    text = get_parser(fmt).grammar(tools, choice, parallel, control_markers(CONTROL_TOK))
+    grammar = LLMatcher.grammar_from_lark(any_to_lark(text))
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, ll)
+    assert not is_error, messages
+    return LLMatcher(ll, grammar, log_level=0)
+
+
+def takes(m, ids) -> bool:
+    return all(m.consume_token(t) for t in ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+])
+def test_a_forced_call_writes_the_markers_as_the_control_tokens_they_are(fmt, text):
+    # A grammar's quoted text never matches a control token: written quoted, the markers could
+    # only be spelled out in ordinary tokens, which these models never write.
+    as_control = CONTROL_TOK.encode(text, add_special_tokens=False, parse_special=True)
+    spelled = CONTROL_TOK.encode(text, add_special_tokens=False, parse_special=False)
+    assert len(as_control) < len(spelled)
+    assert takes(control_matcher(fmt), as_control)
+    assert not takes(control_matcher(fmt), spelled)
+    # The parser reads what the model wrote, control tokens spelled out for it.
+    r = run(fmt, [CONTROL_TOK.decode(as_control, skip_special_tokens=False)])
+    assert (r.content, r.pairs) == ("", [("get_weather", '{"city": "Paris"}')])
+
+
+def test_a_forced_named_call_to_any_tool_name_is_read_back():
+    odd = {"type": "function", "function": {"name": "ns/get weather", "parameters": {"type": "object"}}}
+    text = "[TOOL_CALLS]ns/get weather[ARGS]{}"
+    ids = CONTROL_TOK.encode(text, add_special_tokens=False, parse_special=True)
+    assert takes(control_matcher("mistral", tools=[odd]), ids)
+    assert run("mistral", [CONTROL_TOK.decode(ids, skip_special_tokens=False)], tools=[odd]).pairs == [("ns/get weather", "{}")]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 from .scanner import CallScanner
 
@@ -99,10 +99,13 @@ class ToolParser:
         return [ToolCall(c.id, c.name, "".join(parts)) for c, parts in zip(self._calls, self._args)]
 
     @classmethod
-    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool) -> str:
+    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool,
+                control: Callable[[str], str] | None = None) -> str:
         """A Lark grammar for llguidance that forces one call (or, with ``parallel``, one or
         more) in this format, to one of ``tools`` (exactly ``choice`` when given), with
-        arguments valid against that tool's ``parameters``. ValueError on an unknown choice."""
+        arguments valid against that tool's ``parameters``. ``control``: how a marker that may be
+        a control token is written (:func:`.grammar.control_markers`; None: quoted text),
+        for the formats that read control tokens. ValueError on an unknown choice."""
         raise NotImplementedError
 
     # -- for subclasses ------------------------------------------------------------------------

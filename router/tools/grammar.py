@@ -11,9 +11,13 @@ cannot invent keys forever.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, Callable
 
 from ..constraints import ConstraintSpec
 from .base import tool_names
+
+if TYPE_CHECKING:
+    from ..engine import Tokenizer
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance's JSON options for the arguments: the separators ``json.dumps`` writes."""
@@ -22,6 +26,25 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 def lark_literal(text: str) -> str:
     """``text`` as a Lark string literal."""
     return json.dumps(text, ensure_ascii=False)
+
+
+def control_markers(tok: "Tokenizer") -> Callable[[str], str]:
+    """How a format's marker is written in its grammar for ``tok``'s vocabulary: as the control
+    token itself (llguidance's ``<[id]>``) where the vocabulary has the marker as one, since a
+    grammar's quoted text never matches a control token (router.constraints marks them apart);
+    else as quoted text. For the formats whose parsers read control tokens
+    (``reads_control_tokens``: Mistral's ``[TOOL_CALLS]`` and ``[ARGS]``, Granite's
+    ``<|tool_call|>``)."""
+    specials = tok.special_tokens
+
+    def write(text: str) -> str:
+        if text in specials:
+            ids = tok.encode(text, add_special_tokens=False, parse_special=True)
+            if len(ids) == 1:
+                return f"<[{ids[0]}]>"
+        return lark_literal(text)
+
+    return write
 
 
 def arguments_schema(tool: dict) -> dict:

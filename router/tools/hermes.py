@@ -76,7 +76,7 @@ class HermesParser(ToolParser):
                 self._state = _CONTENT
 
     @classmethod
-    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool) -> str:
+    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool, control=None) -> str:
         # Exactly the layout Qwen2.5's chat template writes for the calls in its history.
         opening, closing = lark_literal(OPEN + "\n"), lark_literal("\n" + CLOSE)
         start = repeated("tool_call", "\n", parallel)

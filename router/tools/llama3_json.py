@@ -95,7 +95,7 @@ class Llama3JsonParser(ToolParser):
                 return
 
     @classmethod
-    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool) -> str:
+    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool, control=None) -> str:
         # "parameters", as Llama 3.1's own chat template describes the call to the model.
         start = repeated("call_object", "; ", parallel)
         return f"start: {start}\n" + call_object_rules(tools, choice, "parameters")

@@ -18,7 +18,7 @@ already sent too; one cut off before its ``[ARGS]`` was never a call.
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 from .base import ToolParser
 from .grammar import call_object_rules, chosen_tools, lark_literal, repeated
@@ -28,7 +28,7 @@ from .scanner import CallScanner
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
-_NAME = re.compile(r"[\w.:-]*")  # what a tool name may hold
+_NAME = re.compile(r"[^\[\n]*")  # a name runs to the next marker (vLLM splits on [ARGS]); any tool name
 _CALL_ID = re.compile(r"[A-Za-z0-9]*")
 
 # What the parser is reading.
@@ -90,8 +90,8 @@ class MistralParser(ToolParser):
     def _named_call(self, final: bool) -> bool:
         """Read ``name([CALL_ID]id)?[ARGS]`` off the buffer and start the call (True); False
         while more text may still complete it; the rest is dropped when it cannot."""
-        name = _NAME.match(self._buf).group()
-        rest = self._buf[len(name):]
+        written = _NAME.match(self._buf).group()
+        rest, name = self._buf[len(written):], written.strip()
         with_id = rest.startswith(CALL_ID)
         if with_id:
             rest = rest[len(CALL_ID):]
@@ -108,7 +108,7 @@ class MistralParser(ToolParser):
 
     def _punctuation(self, state: int, c: str) -> None:
         """Move on past the array's brackets and commas (``c`` is the next character)."""
-        if state == _OPEN and self.named_calls and _NAME.match(c).group():  # v11: [TOOL_CALLS]name[ARGS]{...}
+        if state == _OPEN and self.named_calls and c not in "[{\n":  # v11: [TOOL_CALLS]name[ARGS]{...}
             self._state = _NAMED
         elif state != _AFTER_ITEM and c == "{":
             self._bare = state == _OPEN
@@ -130,10 +130,13 @@ class MistralParser(ToolParser):
         self._end_markup()
 
     @classmethod
-    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool) -> str:
+    def grammar(cls, tools: list[dict], choice: str | None, parallel: bool,
+                control: Callable[[str], str] | None = None) -> str:
         # Either form, as the model prefers: json.dumps's layout of the list, as mistral-common
-        # writes calls in the history of the older tokenizers, or v11's named calls.
-        marker = lark_literal(cls.markers[0])
+        # writes calls in the history of the older tokenizers, or v11's named calls. The markers
+        # as the control tokens they are in the model's vocabulary (control_markers).
+        control = control or lark_literal
+        marker = control(cls.markers[0])
         calls = repeated("call_object", ", ", parallel)
         if not cls.named_calls:
             return f'start: {marker} "[" {calls} "]"\n' + call_object_rules(tools, choice)
@@ -141,5 +144,6 @@ class MistralParser(ToolParser):
         chosen = chosen_tools(tools, choice)
         rules = [f'start: {marker} ("[" {calls} "]" | {named})',
                  "named_call: " + " | ".join(f"named_{i}" for i in range(len(chosen)))]
-        rules += [f"named_{i}: {lark_literal(t['function']['name'] + ARGS)} arguments_{i}" for i, t in enumerate(chosen)]
+        args = control(ARGS)
+        rules += [f"named_{i}: {lark_literal(t['function']['name'])} {args} arguments_{i}" for i, t in enumerate(chosen)]
         return "\n".join(rules) + "\n" + call_object_rules(tools, choice)

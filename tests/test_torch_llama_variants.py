@@ -191,3 +191,19 @@ def test_ministral_specs_and_an_unsupported_language_model():
     assert [ministral.window_of(i) for i in range(3)] == [16, 16, 16]  # no layer_types (transformers 4): every layer
     with pytest.raises(ModelError, match="the language model of a `mistral3` checkpoint is a `pixtral`"):
         ModelSpec.from_hf_config(Mistral3Config(text_config={"model_type": "pixtral"}))
+
+
+@pytest.mark.parametrize("model_type,quant", [
+    ("ministral3", {"quant_method": "fp8", "weight_block_size": None}),  # Ministral 3 Instruct's releases
+    ("llama", {"quant_method": "gptq", "bits": 4}),
+    ("gpt_oss", {"quant_method": "fp8"}),
+])
+def test_quantized_checkpoints_are_refused_by_their_method(model_type, quant):
+    # Their weights would load as raw values without their scales: garbage, silently.
+    with pytest.raises(ModelError, match=f"quantization_config quant_method `{quant['quant_method']}`"):
+        ModelSpec.from_hf_config(_config(model_type, quantization_config=quant))
+    from transformers import Mistral3Config
+
+    text = {"model_type": "ministral3", "quantization_config": quant}
+    with pytest.raises(ModelError, match="quantization_config quant_method"):
+        ModelSpec.from_hf_config(Mistral3Config(text_config=text, quantization_config=quant))

@@ -219,6 +219,7 @@ class ModelSpec:
         model_type = getattr(cfg, "model_type", None)
         if model_type not in cls.SUPPORTED:
             raise ModelError(f"model_type `{model_type}` is not supported; supported: {', '.join(cls.SUPPORTED)}")
+        _check_quantization(cfg, model_type)
         if model_type in cls.IMAGE_TEXT:  # Gemma 3 from 4B up, Mistral Small 3.1+: their language model
             outer, cfg, model_type = model_type, cfg.text_config, cfg.text_config.model_type
             if model_type not in cls.SUPPORTED or model_type in cls.IMAGE_TEXT:
@@ -353,6 +354,25 @@ def _granite_multipliers(cfg: Any) -> dict[str, float]:
         if value != 1.0 or key == "attention_multiplier":  # 1 is a real scale for scores, not "none"
             found[key] = float(value)
     return found
+
+
+def _check_quantization(cfg: Any, model_type: str) -> None:
+    """Refuse a quantized checkpoint (``quantization_config``: FP8, GPTQ, AWQ, bitsandbytes...),
+    whose weights would otherwise load as their raw values without their scales; gpt-oss's MXFP4
+    experts are decoded (weights.dequantize_mxfp4)."""
+    for config in (cfg, getattr(cfg, "text_config", None)):
+        quant = getattr(config, "quantization_config", None)
+        if not quant:
+            continue
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        method = getattr(method, "value", method)  # transformers may hold it as an enum
+        if method == "mxfp4" and model_type == "gpt_oss":
+            continue
+        raise ModelError(
+            f"quantization_config quant_method `{method}`: quantized checkpoints are not read here (gpt-oss's "
+            "MXFP4 aside); use the model's bfloat16 release (weight_format int8 or int4 quantizes it on the CPU), "
+            'or a GGUF file with backend "llamacpp"'
+        )
 
 
 def _query_position_scaling(scaling: dict[str, Any] | None) -> tuple[float, int] | None:

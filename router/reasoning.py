@@ -18,7 +18,8 @@ vocabularies they are added tokens that are not control tokens, so the detokeniz
   ``enable_thinking: false`` Qwen3's template closes an empty block in the prompt, and the
   output is content.
 
-The third, ``mistral`` (Magistral, Ministral 3's reasoning models), reads as ``qwen3`` does with
+The third, ``mistral`` (the models whose vocabularies have ``[THINK]`` as a control token: recent
+Magistral releases, Ministral 3's reasoning models), reads as ``qwen3`` does with
 ``[THINK]`` and ``[/THINK]``, control tokens in Mistral's vocabularies (``reads_control_tokens``:
 the detokenizer spells them out for it), as vLLM's ``mistral`` reasoning parser does.
 
@@ -177,7 +178,8 @@ class Qwen3Parser(ReasoningParser):
 
 
 class MistralParser(ReasoningParser):
-    """Magistral and Ministral 3's reasoning models: Qwen3's reading of ``[THINK]`` blocks."""
+    """Mistral's reasoning models with ``[THINK]`` control tokens: Qwen3's reading of their blocks
+    (Magistral's first releases wrote ``<think>`` as text: ``qwen3`` reads those)."""
 
     name = "mistral"
     starts_thinking = False

@@ -628,15 +628,16 @@ def _reasoning_parser(backend: "LocalBackend", params: GenerationParams, prompt:
     from .reasoning import PARSERS
 
     parser = PARSERS[name]
-    return partial(parser, _prompt_opens_thinking(backend.engine.tokenizer, prompt, parser.open_marker))
+    return partial(parser, _prompt_opens_thinking(backend.engine.tokenizer, prompt, parser))
 
 
-def _prompt_opens_thinking(tok: Tokenizer, prompt: list[int], opener: str) -> bool:
+def _prompt_opens_thinking(tok: Tokenizer, prompt: list[int], parser: Any) -> bool:
     from .reasoning import prompt_opens_thinking
 
     # The last few tokens are enough to see whether the template ends the prompt with <think>
-    # (spelled out: Mistral's [THINK] is a control token).
-    return prompt_opens_thinking(tok.decode(prompt[-8:], skip_special_tokens=False), opener)
+    # (spelled out where the format's markers are control tokens, as Mistral's [THINK] is).
+    tail = tok.decode(prompt[-8:], skip_special_tokens=False) if parser.reads_control_tokens else tok.decode(prompt[-8:])
+    return prompt_opens_thinking(tail, parser.open_marker)
 
 
 def _after_reasoning(constraints: list[Any], thinking: partial, params: GenerationParams,

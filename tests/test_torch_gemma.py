@@ -55,6 +55,7 @@ def hf_prompt_logprobs(folder, prompt, dtype=torch.float32, **config):
 
 
 def distance(a, b):
+    assert len(a) == len(b) > 0
     return max(abs(x - y) for x, y in zip(a, b))
 
 

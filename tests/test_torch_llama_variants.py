@@ -143,6 +143,17 @@ def test_olmo_specs():
     # OLMo 3 without layer_types (transformers 4): three layers of every four slide.
     olmo3 = ModelSpec.from_hf_config(_config("olmo3", sliding_window=16))
     assert [olmo3.window_of(i) for i in range(8)] == [16, 16, 16, None] * 2
+    # A flat YaRN rope_scaling (transformers 4's form): the full layers' only, as transformers 5
+    # splits it; the sliding layers rotate unscaled with the same base.
+    flat = ModelSpec.from_hf_config(_config("olmo3", sliding_window=16, rope_theta=5e5, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024}))
+    assert flat.rope_scaling["rope_type"] == "yarn" and flat.local_rope_theta == 5e5
+    assert flat.local_rope_scaling["rope_type"] == "default"
+    from transformers import Olmo3Config
+
+    split = Olmo3Config(rope_theta=5e5, rope_scaling={"rope_type": "yarn", "factor": 8.0,
+                                                      "original_max_position_embeddings": 1024})
+    assert split.rope_parameters["sliding_attention"]["rope_type"] == "default"  # what transformers 5 makes of it
     with pytest.raises(ModelError, match="partial_rotary_factor is not supported for model_type `olmo2`"):
         ModelSpec.from_hf_config(_config("olmo2", partial_rotary_factor=0.5))
 
@@ -187,6 +198,10 @@ def test_ministral_specs_and_an_unsupported_language_model():
         "rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384, "llama_4_scaling_beta": 0.1}))
     assert s.query_position_scaling == (0.1, 16384) and s.sliding_window == 64 and s.sliding_layers is None
     assert ModelSpec.from_hf_config(_config("ministral3")).query_position_scaling is None  # no beta: no scaling
+    for rope, why in (({"rope_type": "yarn", "factor": 4.0, "llama_4_scaling_beta": "0.1"}, "llama_4_scaling_beta '0.1'"),
+                      ({"llama_4_scaling_beta": 0.1}, "original_max_position_embeddings, a positive integer; got None")):
+        with pytest.raises(ModelError, match=why):
+            ModelSpec.from_hf_config(_config("ministral3", rope_parameters=rope))
     ministral = ModelSpec.from_hf_config(_config("ministral", sliding_window=16, num_hidden_layers=3))
     assert [ministral.window_of(i) for i in range(3)] == [16, 16, 16]  # no layer_types (transformers 4): every layer
     with pytest.raises(ModelError, match="the language model of a `mistral3` checkpoint is a `pixtral`"):

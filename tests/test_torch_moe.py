@@ -170,7 +170,9 @@ def test_a_sparse_block_gives_transformers_bits(arch, changes, dtype):
             p.normal_(0, 0.05)
     spec = ModelSpec.from_hf_config(config)
     ours = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size))
-    state = {"layers.0.mlp." + k: v.detach().clone() for k, v in theirs.state_dict().items()}
+    # Named as transformers 5 holds the layer (Granite-MoE's block is block_sparse_moe).
+    block = "block_sparse_moe." if arch == "granitemoe" else "mlp."
+    state = {"layers.0." + block + k: v.detach().clone() for k, v in theirs.state_dict().items()}
     ours.load("layers.0.", WeightReader(state, ModelError, ours))
     assert not state  # every tensor taken
     theirs, ours = theirs.to(dtype), ours.to(dtype)

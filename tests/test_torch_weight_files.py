@@ -68,6 +68,9 @@ def test_without_an_index_every_file_but_the_consolidated_copy(llama, tmp_path):
 
 @pytest.mark.parametrize("index,error", [
     ("[1, 2]", "not a safetensors index"),
+    ('{"weight_map": {}}', "must map weight names to file names"),
+    ('{"weight_map": {"model.norm.weight": "../model.safetensors"}}', "must map weight names to file names"),
+    ('{"weight_map": {"model.norm.weight": 3}}', "must map weight names to file names"),
     ('{"weight_map": {"model.norm.weight": "model-00009-of-00009.safetensors"}}',
      "names files that are not in .*: model-00009-of-00009.safetensors"),
 ])

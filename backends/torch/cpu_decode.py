@@ -5,15 +5,18 @@ as torch operations spends as long again dispatching some 3,000 small ones (norm
 cache gather, attention, residual adds), and even one Python call per kernel (270 a step) cost
 3 ms. ``rk_decode_step`` runs the whole model over a step's rows, one per new token; per layer:
 
-    RMSNorm + quantize -> qkv -> (Qwen3's and Gemma 3's head norms) -> rotary + cache write +
-    attention (within the layer's window, if any; Gemma 2's capped scores) -> quantize -> o_proj
-    (added to the residual; Gemma 2/3: normalised first) -> RMSNorm + quantize -> gate_up ->
-    SiLU (GELU for Gemma) * up + quantize -> down_proj (added, the same way)
+    RMSNorm (none for OLMo) + quantize -> qkv -> (Qwen3's and Gemma 3's head norms; OLMo's over
+    whole projections) -> rotary (none on SmolLM3's NoPE layers; Ministral 3's query scale) +
+    cache write + attention (within the layer's window, if any; Gemma 2's capped scores) ->
+    quantize -> o_proj (added to the residual; Gemma 2/3, GLM-4, OLMo: normalised first;
+    Granite: scaled) -> RMSNorm + quantize -> gate_up -> SiLU (GELU for Gemma) * up + quantize
+    -> down_proj (added, the same way)
 
 (a mixture of experts' layer: ``moe_block`` in the MLP's place; gpt-oss's sinks in the attention)
 
-and the final norm and LM head for the rows that sample. Gemma's embedding factor and logit cap
-are applied here, around the call; its ``1 + weight`` norms reach C as their float32 factors.
+and the final norm and LM head for the rows that sample. Gemma's and Granite's embedding factors,
+Gemma 2's logit cap and Granite's logit divisor are applied here, around the call; Gemma's
+``1 + weight`` norms reach C as their float32 factors.
 The model's weights are described to C once (:class:`RkModel`); a step passes only its tokens'
 places. The numbers are those of the packed format's C-kernel path up to float rounding (tested
 token for token), and a row's are the same whatever else the step holds.

@@ -193,10 +193,12 @@ def weight_files(folder: Path) -> list[Path]:
     index = folder / INDEX
     if index.is_file():
         try:
-            shards = json.loads(index.read_text())["weight_map"].values()
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+            if not shards or not all(isinstance(n, str) and n and Path(n).name == n for n in shards):
+                raise ValueError("`weight_map` must map weight names to file names in the folder")
         except (ValueError, KeyError, AttributeError, TypeError) as e:
             raise ValueError(f"{index}: not a safetensors index (a `weight_map` of names to files): {e}") from None
-        files = sorted({folder / name for name in shards})
+        files = sorted(folder / name for name in shards)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names files that are not in {folder}: {', '.join(missing)}")

@@ -86,7 +86,8 @@ class ModelSpec:
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size); Granite: embedding_multiplier)
     embed_scale_rounded: bool = False  # Gemma: the factor is rounded to the model's dtype first, as transformers does
     offset_norms: bool = False  # every RMSNorm scales by 1 + weight, in float32, rounded once after
-    # Gemma 2/3: the attention's and the MLP's outputs are normalised too before the residual adds.
+    # Gemma 2/3, GLM-4 (and OLMo 2/3, without input norms): the attention's and the MLP's outputs
+    # are normalised before the residual adds.
     sandwich_norms: bool = False
     input_norms: bool = True  # False: blocks take the residual as it is (OLMo 2/3, whose outputs are normalised)
     qk_norm_whole: bool = False  # OLMo 2/3, OLMoE: qk_norm spans each projection's heads together, not one head
@@ -244,6 +245,10 @@ class ModelSpec:
             local = {"rope_theta": getattr(cfg, "rope_local_base_freq", 10000.0)}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         scaling = _rope_scaling(rope, cfg)
+        if local is None and model_type == "olmo3" and scaling is not None:
+            # A flat rope_scaling (transformers 4's form) is the full layers' alone: OLMo 3's
+            # sliding layers rotate unscaled, as transformers 5 splits such a config.
+            local = {"rope_theta": theta}
         local_scaling = _rope_scaling(local, cfg) if local is not None else None
         partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
         rotary_dim = None
@@ -380,9 +385,12 @@ def _query_position_scaling(scaling: dict[str, Any] | None) -> tuple[float, int]
     beta = (scaling or {}).get("llama_4_scaling_beta")
     if beta is None:
         return None
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        raise ModelError(f"llama_4_scaling_beta {beta!r} must be a number")
     original = scaling.get("original_max_position_embeddings")
-    if not isinstance(original, int) or original < 1:
-        raise ModelError("llama_4_scaling_beta needs the rope parameters' original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ModelError("llama_4_scaling_beta needs the rope parameters' original_max_position_embeddings, "
+                         f"a positive integer; got {original!r}")
     return float(beta), original
 
 

@@ -96,8 +96,9 @@ class SparseMoE(nn.Module):
         ``router.layer``), or gpt-oss's (:meth:`_load_gpt_oss`), then the shared expert and its
         gate."""
         sparse = prefix + "block_sparse_moe."
-        granite = state.has(sparse + "router.layer.weight")
-        moe = sparse if granite or state.has(sparse + "gate.weight") else prefix + "mlp."
+        granite = state.has(sparse + "router.layer.weight")  # as Granite-MoE's checkpoints name it
+        routers = ("gate.weight", "router.weight", "router.layer.weight")
+        moe = sparse if any(state.has(sparse + r) for r in routers) else prefix + "mlp."
         router = moe + ("router.layer." if granite else "router." if state.has(moe + "router.weight") else "gate.")
         state.copy(self.gate.weight, router + "weight")
         if self.gate.bias is not None:

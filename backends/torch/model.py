@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
-Ministral (and Ministral 3's position-scaled queries), Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and Granite 3's)
-as plain torch modules.
+Ministral and Ministral 3, Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, gpt-oss and Granite 3's) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -14,7 +14,8 @@ gpt-oss's are too: attention sinks (a learned logit per head in every softmax), 
 of experts routed by the softmax of its top-k logits, experts with biases and a clamped SwiGLU.
 SmolLM3's layers without rotary (NoPE), Granite's multipliers (embeddings, attention scores,
 each block's output, logits), OLMo 2/3's norms (of each block's output only, and of the
-whole query and key projections) and GLM's interleaved rotary pairs are flags too.
+whole query and key projections), GLM's interleaved rotary pairs and Ministral 3's
+position-scaled queries are flags too.
 Every forward pass works on a flat batch of tokens from many sequences at once (continuous
 batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.

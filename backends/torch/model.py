@@ -91,6 +91,7 @@ class ModelSpec:
     # are normalised before the residual adds.
     sandwich_norms: bool = False
     input_norms: bool = True  # False: blocks take the residual as it is (OLMo 2/3, whose outputs are normalised)
+    glm_norm_names: bool = False  # GLM-4 names its output norms post_self_attn_ / post_mlp_layernorm
     qk_norm_whole: bool = False  # OLMo 2/3, OLMoE: qk_norm spans each projection's heads together, not one head
     float_rotary: bool = False  # OLMo 2/3: queries and keys rotate in float32, rounded once (tables not cast)
     query_scale: float | None = None  # attention scores' scale (query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
@@ -318,6 +319,7 @@ class ModelSpec:
             embed_scale_rounded=gemma,
             offset_norms=gemma,
             sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo,
+            glm_norm_names=model_type == "glm4",
             input_norms=not olmo,
             float_rotary=olmo,
             query_scale=query_scale,
@@ -905,7 +907,7 @@ class CausalLM(nn.Module):
                     weights.copy(getattr(attn, name).weight, p + f"self_attn.{name}.weight", norm)
             if spec.input_norms:
                 weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
-            if spec.sandwich_norms and weights.has(p + "post_self_attn_layernorm.weight"):  # GLM-4's names
+            if spec.glm_norm_names:
                 weights.copy(layer.attn_out_norm.weight, p + "post_self_attn_layernorm.weight")
                 weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
                 weights.copy(layer.mlp_out_norm.weight, p + "post_mlp_layernorm.weight")

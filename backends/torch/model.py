@@ -704,8 +704,8 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view(n, -1, self.head_dim)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
-        if self.q_norm is not None and not self.whole_qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+            if self.q_norm is not None:  # Qwen3, Gemma 3: each head normalised
+                qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         if self.rotates:  # q and k together: one set of ops for both (float32 tables: OLMo's, rounded once)
             qk = apply_rotary(qk, *rope, self.half).to(qkv.dtype)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]

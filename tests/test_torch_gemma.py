@@ -41,6 +41,18 @@ async def prompt_logprobs(engine, prompt):
         return [entry.logprob for entry in step.prompt_logprobs]
 
 
+def assert_prompt_logprobs_match_transformers(folder, dtype, within):
+    """A 60-token prompt's logprobs (in 16-token steps over blocks of 4, in ``dtype``) within
+    ``within`` of transformers' forward pass in that dtype."""
+    prompt = random_prompts(7, (60,))[0]
+    engine = engine_for(folder, block_size=4, max_batched_tokens=16, dtype=str(dtype).removeprefix("torch."))
+    try:
+        got = run(prompt_logprobs(engine, prompt))
+    finally:
+        run(engine.stop())
+    assert distance(got, hf_prompt_logprobs(folder, prompt, dtype)) < within
+
+
 def hf_prompt_logprobs(folder, prompt, dtype=torch.float32, **config):
     """transformers' forward over the prompt (float32 unless ``dtype``): each next prompt token's
     logprob. ``config``: changes to the checkpoint's config (what the engine must not ignore)."""

@@ -6,7 +6,8 @@ projections; OLMo 3's sliding layers with a rotary of their own; OLMoE, a mixtur
 with OLMo's query and key norms), and GLM-4 (rotary pairs of adjacent dimensions on half of each
 head, and with glm4 norms around each block's output too), Ministral (a window on the layers
 ``layer_types`` names) and Ministral 3 (queries scaled by position past the original context),
-also inside its image-text checkpoint (``mistral3``)).
+also inside its image-text checkpoint (``mistral3``)), and ERNIE 4.5 (GLM's rotary pairs over
+whole heads, in float32; biases on every projection).
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -19,10 +20,14 @@ import torch
 
 from backends.torch.model import ModelError, ModelSpec
 from test_torch_engine import assert_greedy_matches_transformers, engine_for, generate_all, random_prompts, run
-from test_torch_gemma import assert_c_steps_match_the_torch_path, distance, hf_prompt_logprobs, prompt_logprobs
+from test_torch_gemma import (
+    assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, hf_prompt_logprobs,
+    prompt_logprobs,
+)
 from torch_models import tiny_checkpoint
 
-ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3"]
+ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
+         "ernie4_5"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # olmoe: Llama's norms, OLMo's query and key norms, 8 experts, 2 a token, not renormalised;
     # glm: 8 of 16 dimensions of each head rotating in adjacent pairs, q/k/v biases, fused gate
     # and up; glm4: the same with norms of both blocks' outputs (GLM-4's names); ministral: a
-    # window of 8 on layer 0 only; ministral3: YaRN past 32 positions, queries scaled from there.
+    # window of 8 on layer 0 only; ministral3: YaRN past 32 positions, queries scaled from there;
+    # ernie4_5: every dimension rotating in adjacent pairs, in float32; biases on every projection.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -51,14 +57,8 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     # logprobs see it. Measured: about 1e-6 from transformers in float32, 5e-7 in bfloat16 (each
     # step rounds where transformers rounds); leaving out any one of what these configs
     # set moves some logprob by more than 0.05 (test_the_tiny_configs_exercise_what_they_set).
-    folder = checkpoints[arch]
-    prompt = random_prompts(7, (60,))[0]  # past Ministral 3's original 32 positions
-    engine = engine_for(folder, block_size=4, max_batched_tokens=16, dtype=str(dtype).removeprefix("torch."))
-    try:
-        got = run(prompt_logprobs(engine, prompt))
-    finally:
-        run(engine.stop())
-    assert distance(got, hf_prompt_logprobs(folder, prompt, dtype)) < within
+    # The prompt: 60 tokens, past Ministral 3's original 32 positions.
+    assert_prompt_logprobs_match_transformers(checkpoints[arch], dtype, within)
 
 
 @pytest.mark.parametrize("arch,config", [
@@ -72,6 +72,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
                                                       "original_max_position_embeddings": 128},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}}),
     ("glm4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+    ("ernie4_5", {"use_bias": False}),
     ("ministral", {"layer_types": ["full_attention", "full_attention"]}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
@@ -93,7 +94,8 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("olmo2", "int8", "auto"), ("olmo2", "int4", "bfloat16"),
                                          ("olmo3", "int4", "auto"), ("olmoe", "int8", "auto"), ("olmoe", "int4", "auto"),
                                          ("glm", "int8", "auto"), ("glm4", "int4", "auto"),
-                                         ("ministral3", "int4", "auto"), ("ministral3", "int8", "float16")])
+                                         ("ministral3", "int4", "auto"), ("ministral3", "int8", "float16"),
+                                         ("ernie4_5", "int8", "auto"), ("ernie4_5", "int4", "bfloat16")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take

@@ -162,6 +162,38 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                           image_size=28, patch_size=14)
             config = Mistral3Config(text_config=config.to_dict(), vision_config=vision, image_token_index=49151,
                                     spatial_merge_size=1)
+    elif arch == "glm4_moe":  # GLM-4.5: layer 0 dense, layer 1 8 experts in 4 groups, 2 of them kept, 2 experts a
+        # token by sigmoid scores plus a bias, times 2.5; a shared expert; half of each head rotates;
+        # q, k, v biases; query and key norms; a multi-token prediction layer the engine never reads
+        from transformers import Glm4MoeConfig
+
+        config = Glm4MoeConfig(**common, head_dim=16, pad_token_id=0, attention_bias=True, use_qk_norm=True,
+                               moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                               topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
+                               norm_topk_prob=True, num_nextn_predict_layers=1)
+    elif arch == "dots1":  # dots.llm1: Qwen3's attention; 8 experts in 2 groups, 1 kept, not renormalised, times
+        # 1.5; 2 shared experts; layer 0 dense
+        from transformers import Dots1Config
+
+        config = Dots1Config(**common, head_dim=16, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3,
+                             n_group=2, topk_group=1, routed_scaling_factor=1.5, n_shared_experts=2,
+                             first_k_dense_replace=1, norm_topk_prob=False, sliding_window=None)
+    elif arch == "ernie4_5":  # ERNIE 4.5: every head rotates in adjacent pairs, in float32; biases everywhere
+        from transformers import Ernie4_5Config
+
+        config = Ernie4_5Config(**common, head_dim=16, pad_token_id=0, use_bias=True)
+    elif arch == "ernie4_5_moe":  # ERNIE 4.5's experts: softmax scores plus a bias choose 2 of 6; a shared expert
+        from transformers import Ernie4_5_MoeConfig
+
+        config = Ernie4_5_MoeConfig(**common, head_dim=16, pad_token_id=0, moe_intermediate_size=32, moe_num_experts=6,
+                                    moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1)
+    elif arch == "minimax_m2":  # MiniMax-M2: sigmoid scores plus a bias choose 2 of 4 experts; query and key norms
+        # over whole projections; half of each head rotates
+        from transformers import MiniMaxM2Config
+
+        config = MiniMaxM2Config(**{**common, "intermediate_size": 48}, head_dim=16, num_local_experts=4,
+                                 num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                                         "partial_rotary_factor": 0.5})
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -186,6 +218,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                 # layer moves logprobs by 0.02, Granite's attention multiplier by 0.009; at 0.6 by
                 # 0.9 and 0.08.
                 p.mul_(3.0)
+            if name.endswith("e_score_correction_bias"):
+                p.mul_(2.5)  # ERNIE's (a parameter): as large as the scores, so that it changes choices
             if name.endswith(".sinks"):
                 p.add_(1.0)  # gpt-oss: sinks that take a fair share of each softmax
             if arch.startswith(("gemma2", "gemma3")) and name.endswith(("post_attention_layernorm.weight",
@@ -194,13 +228,33 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                 # the blocks barely move the scaled embedding, and every model repeats its
                 # prompt's last token. Trained output norms are larger.
                 p.add_(3.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer (DeepSeek-V3's routers): zeros until set
+                b.normal_(0.0, 0.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
+    if arch == "glm4_moe":
+        _add_mtp_layer(folder / "model.safetensors", config.num_hidden_layers)
     src = smollm2_folder()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (src / name).exists():
             shutil.copy(src / name, folder / name)
     return folder
+
+
+def _add_mtp_layer(file: Path, layers: int) -> None:
+    """A GLM-4.5 multi-token prediction layer after the last, as its releases hold one: the last
+    layer's tensors again (experts and all) and its own projection and norms."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(file))
+    last = f"model.layers.{layers - 1}."
+    mtp = f"model.layers.{layers}."
+    extra = {mtp + k[len(last):]: v.clone() for k, v in state.items() if k.startswith(last)}
+    hidden = state["model.norm.weight"].shape[0]
+    extra.update({mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden), mtp + "enorm.weight": torch.ones(hidden),
+                  mtp + "hnorm.weight": torch.ones(hidden), mtp + "shared_head.norm.weight": torch.ones(hidden)})
+    save_file({**state, **extra}, str(file), metadata={"format": "pt"})
 
 
 def hf_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:

@@ -176,8 +176,9 @@ class CpuDecoder:
 
     def _experts(self, moe: "SparseMoE") -> dict:
         """``rk_layer``'s fields for a mixture of experts: the float32 router (its bias, the shared
-        expert's gate), each expert's packed gate_up and down with their biases, in arrays kept
-        here; how the weights come (``routing``) and gpt-oss's clamp."""
+        expert's gate, the choice bias), each expert's packed gate_up and down with their biases,
+        in arrays kept here; how the weights come (``routing``, sigmoid scores, groups, the
+        scaling factor) and gpt-oss's clamp."""
         from .native import RkExpert
 
         def expert(mlp) -> RkExpert:
@@ -194,13 +195,17 @@ class CpuDecoder:
             experts=experts, num_experts=moe.num_experts, top_k=moe.top_k, expert_inter=first.down_proj.in_features,
             expert_gate_up_kp=first.gate_up_proj.padded_in_features, expert_down_kp=first.down_proj.padded_in_features,
             routing=2 if moe.softmax_top_k else int(moe.normalize), clamp_alpha=alpha, clamp_limit=limit,
+            sigmoid=int(moe.sigmoid), routed_scale=moe.routed_scale or 1.0,
+            choice_bias=_float_pointer(moe.choice_bias, self._keep) if moe.choice_bias is not None else None,
+            n_group=moe.groups[0] if moe.groups else 1, topk_group=moe.groups[1] if moe.groups else 1,
         )
         shared = moe.shared_expert
         if shared is not None:
             one = (RkExpert * 1)(expert(shared))
             self._keep_arrays.append(one)
             fields.update(
-                shared=one, shared_gate=_float_pointer(moe.shared_expert_gate.weight, self._keep),
+                shared=one, shared_gate=_float_pointer(moe.shared_expert_gate.weight, self._keep)
+                if moe.shared_expert_gate is not None else None,
                 shared_inter=shared.down_proj.in_features, shared_gate_up_kp=shared.gate_up_proj.padded_in_features,
                 shared_down_kp=shared.down_proj.padded_in_features,
             )

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
-Ministral and Ministral 3, Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE, gpt-oss and Granite 3's) as plain torch modules.
+Ministral and Ministral 3, ERNIE 4.5, Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2)
+as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -24,6 +25,7 @@ Numerics follow Hugging Face's implementation so that greedy outputs match it to
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -78,7 +80,21 @@ class ModelSpec:
     expert_size: int = 0  # one expert's intermediate size (Qwen: moe_intermediate_size)
     normalize_routing: bool = False  # the chosen experts' weights renormalised to sum to 1
     float_routing_weights: bool = False  # Mixtral: the weights stay float32 (the Qwens: the model's dtype)
-    shared_expert_size: int = 0  # Qwen2-MoE: an expert every token runs through, gated by a sigmoid
+    # Qwen2-MoE: an expert every token runs through, gated by a sigmoid; GLM-4.5's, dots.llm1's
+    # and ERNIE 4.5's shared experts (one MLP of their summed size) are added ungated.
+    shared_expert_size: int = 0
+    shared_expert_gated: bool = True
+    # DeepSeek-V3's routing, as GLM-4.5, dots.llm1, MiniMax-M2 and ERNIE 4.5 route: scores are the
+    # router logits' sigmoids (ERNIE: their softmax); a learned bias (e_score_correction_bias) is
+    # added to them to choose the experts, whose weights are the unbiased scores; with
+    # (n_group, topk_group) the choice is among the topk_group groups whose two best biased
+    # scores sum highest; the weights times routed_scaling_factor. The router's weights and
+    # logits are float32 whatever the model's dtype (float_router), as transformers keeps them.
+    sigmoid_routing: bool = False
+    routing_bias: bool = False
+    expert_groups: tuple[int, int] | None = None
+    routed_scale: float | None = None
+    float_router: bool = False
     # Layers of a MoE model with a plain MLP of intermediate_size instead (Qwen's mlp_only_layers
     # and decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
@@ -120,7 +136,8 @@ class ModelSpec:
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
-                 "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3")
+                 "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
+                 "ernie4_5", "ernie4_5_moe", "minimax_m2")
     IMAGE_TEXT = ("gemma3", "mistral3")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -271,6 +288,8 @@ class ModelSpec:
         window, sliding_layers = _sliding_window(cfg, model_type)
         qwen2 = model_type in ("qwen2", "qwen2_moe")
         glm = model_type in ("glm", "glm4")
+        ernie = model_type in ("ernie4_5", "ernie4_5_moe")
+        use_bias = ernie and bool(getattr(cfg, "use_bias", False))  # ERNIE's one switch for every projection
         # Gemma's keys, read for Gemma only (transformers ignores them elsewhere).
         softcaps = {
             key: getattr(cfg, key, None) if gemma else None for key in ("attn_logit_softcapping", "final_logit_softcapping")
@@ -282,9 +301,12 @@ class ModelSpec:
         olmo = model_type in ("olmo2", "olmo3")
         if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
             raise ModelError(f"clip_qkv {cfg.clip_qkv}: clamping queries, keys and values is not supported")
-        whole_qk_norms = olmo or model_type == "olmoe"
-        if whole_qk_norms and rotary_dim is not None:  # the loader reorders a partial rotary's dimensions head by head
+        whole_qk_norms = olmo or model_type in ("olmoe", "minimax_m2")
+        if whole_qk_norms and rotary_dim is not None and model_type != "minimax_m2":
+            # transformers rotates OLMo's whole heads, whatever such a key says
             raise ModelError(f"partial_rotary_factor is not supported for model_type `{model_type}`")
+        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1") or whole_qk_norms or (
+            model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False)))
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
             query_scale = cfg.query_pre_attn_scalar**-0.5
@@ -302,16 +324,18 @@ class ModelSpec:
             max_position=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             # Qwen2 always has q, k and v biases; Qwen2-MoE unless its config says qkv_bias false.
-            qkv_bias=bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2"
+            qkv_bias=bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2" or use_bias
             or (model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)) or use_bias,
             sliding_window=window,
-            o_bias=bool(getattr(cfg, "attention_bias", False)) and not qwen2 and not glm,  # theirs has q, k, v's only
+            # Qwen2's and GLM's attention_bias is q, k and v's only
+            o_bias=(bool(getattr(cfg, "attention_bias", False)) and not qwen2 and not glm
+                    and model_type != "glm4_moe") or use_bias,
             sliding_layers=sliding_layers,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "olmoe"),
+            qk_norm=qk_norms,
             qk_norm_whole=whole_qk_norms,
             rotary_dim=rotary_dim,
-            interleaved_rotary=glm,
+            interleaved_rotary=glm or ernie,
             query_position_scaling=_query_position_scaling(scaling) if model_type == "ministral3" else None,
             **_experts(cfg, model_type),
             activation=cls.ACTIVATIONS[act],
@@ -321,7 +345,7 @@ class ModelSpec:
             sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo,
             glm_norm_names=model_type == "glm4",
             input_norms=not olmo,
-            float_rotary=olmo,
+            float_rotary=olmo or ernie,
             query_scale=query_scale,
             attn_softcap=softcaps["attn_logit_softcapping"],
             final_softcap=softcaps["final_logit_softcapping"],
@@ -433,11 +457,11 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
         experts, size, normalize, dense = cfg.num_experts, cfg.intermediate_size, bool(cfg.norm_topk_prob), ()
     elif model_type in ("gpt_oss", "granitemoe"):  # the softmax over the chosen logits sums to 1 already
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, False, ()
+    elif model_type in BIASED_ROUTING:
+        return _biased_routing(cfg, model_type)
     else:
         return {}
-    top_k = cfg.num_experts_per_tok
-    if experts and not 1 <= top_k <= experts:
-        raise ModelError(f"num_experts_per_tok {top_k} must be from 1 to the number of experts, {experts}")
+    top_k = _experts_per_token(cfg, experts)
     shared = getattr(cfg, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
     gpt_oss = model_type == "gpt_oss"
     # transformers 4 kept gpt-oss's alpha in its code (1.702); 5 reads it from the config.
@@ -448,11 +472,72 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
                 expert_bias=gpt_oss, clamped_swiglu=swiglu)
 
 
+BIASED_ROUTING = ("glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2")
+"""Mixtures of experts that choose their experts by scores plus a learned bias (DeepSeek-V3's
+routing; :class:`ModelSpec`'s ``routing_bias``)."""
+
+
+def _experts_per_token(cfg: Any, experts: int) -> int:
+    top_k = cfg.num_experts_per_tok
+    if experts and not 1 <= top_k <= experts:
+        raise ModelError(f"num_experts_per_tok {top_k} must be from 1 to the number of experts, {experts}")
+    return top_k
+
+
+def _biased_routing(cfg: Any, model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of the models routed by biased scores, as transformers
+    builds them. GLM-4.5 (``glm4_moe``) and dots.llm1 (``dots1``) route as DeepSeek-V3: sigmoid
+    scores, groups, ``routed_scaling_factor``, float32 weights; their first
+    ``first_k_dense_replace`` layers are dense, and ``n_shared_experts`` experts of
+    ``moe_intermediate_size`` run for every token, ungated. ERNIE 4.5 softmaxes its logits,
+    renormalises always, and has MoE layers every ``moe_layer_interval`` from
+    ``moe_layer_start_index`` to ``moe_layer_end_index`` (-1: the last); its weights are rounded
+    to the model's dtype. MiniMax-M2: sigmoid scores, every layer sparse (experts of
+    ``intermediate_size``), renormalised always, no shared expert, its router in the model's
+    dtype. Renormalising divides by the sum plus 1e-20 (GLM-4.5, dots.llm1) or by at least
+    ``moe_norm_min`` (ERNIE): for sums of at least 1e-12, a plain division (in float32), which
+    is what the engine does."""
+    layers = cfg.num_hidden_layers
+    routing: dict[str, Any] = dict(routing_bias=True, shared_expert_gated=False)
+    if model_type == "ernie4_5_moe":
+        experts, size = cfg.moe_num_experts, cfg.moe_intermediate_size
+        if getattr(cfg, "use_bias", False):
+            raise ModelError("use_bias: ERNIE 4.5's mixture of experts with biases is not supported")
+        start, end = int(getattr(cfg, "moe_layer_start_index", 1)), int(getattr(cfg, "moe_layer_end_index", -1))
+        interval = int(getattr(cfg, "moe_layer_interval", 1) or 1)
+        end = layers - 1 if end == -1 else end
+        dense = tuple(i for i in range(layers) if not ((i + 1) % interval == 0 and start <= i <= end))
+        routing.update(normalize_routing=True, float_router=True,
+                       shared_expert_size=size * int(getattr(cfg, "moe_num_shared_experts", 0) or 0))
+    elif model_type == "minimax_m2":
+        experts, size, dense = cfg.num_local_experts, cfg.intermediate_size, ()
+        routing.update(normalize_routing=True, sigmoid_routing=True, float_routing_weights=True)
+    else:  # glm4_moe, dots1
+        experts, size = cfg.n_routed_experts, cfg.moe_intermediate_size
+        dense = tuple(range(min(int(getattr(cfg, "first_k_dense_replace", 0) or 0), layers)))
+        groups, chosen = int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
+        top_k = _experts_per_token(cfg, experts)
+        if experts % groups or experts // groups < 2 or not 1 <= chosen <= groups or top_k > chosen * (experts // groups):
+            raise ModelError(
+                f"n_group {groups} and topk_group {chosen} do not fit {experts} experts, {top_k} a token: the groups "
+                "must split the experts evenly, at least 2 each, and the chosen groups hold the token's experts"
+            )
+        scale = float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
+        if not scale > 0:
+            raise ModelError(f"routed_scaling_factor {scale} must be a positive number")
+        routing.update(normalize_routing=bool(cfg.norm_topk_prob), sigmoid_routing=True, float_router=True,
+                       float_routing_weights=True, expert_groups=(groups, chosen) if groups > 1 else None,
+                       routed_scale=scale if scale != 1.0 else None,
+                       shared_expert_size=size * int(getattr(cfg, "n_shared_experts", 0) or 0))
+    return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts), expert_size=size,
+                dense_layers=dense, **routing)
+
+
 def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
     """The window and the layers that use it, as transformers decides them: Mistral, Mixtral and
     Phi-3 slide on every layer, and Qwen3-MoE does with ``use_sliding_window`` (its config drops
-    the window without it); the other Qwens only with ``use_sliding_window``, on the layers
-    ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Gemma 2
+    the window without it); the other Qwens only with ``use_sliding_window``, dots.llm1 always, on
+    the layers ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Gemma 2
     and 3, gpt-oss, OLMo 3 and Ministral on the layers ``layer_types`` names (else every second,
     five of every six, three of every four, or all); Ministral 3 on every layer; Llama and
     Gemma never."""
@@ -469,7 +554,7 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg.num_hidden_layers)]
         layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
         return (int(window), layers) if layers else (None, None)
-    if not getattr(cfg, "use_sliding_window", False):
+    if model_type != "dots1" and not getattr(cfg, "use_sliding_window", False):
         return None, None
     if types is not None:
         layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
@@ -844,6 +929,9 @@ class CausalLM(nn.Module):
         in ``dtype``, not the float model too."""
         with torch.device("meta"):
             model = cls(spec, 1).to(dtype)
+            for module in model.modules():
+                if isinstance(module, SparseMoE):
+                    module.keep_float_router()
         model._rotaries(max_len)  # computed, not loaded
         model.load_hf_state_dict(state, pack)
         _all_loaded(model)
@@ -903,7 +991,10 @@ class CausalLM(nn.Module):
             if spec.qk_norm:
                 for name in ("q_norm", "k_norm"):
                     norm = weights.take(p + f"self_attn.{name}.weight")
-                    norm = norm if layout is None or norm.shape != layout.shape else norm[layout]
+                    if layout is not None and norm.shape == layout.shape:
+                        norm = norm[layout]
+                    elif layout is not None and spec.qk_norm_whole:  # MiniMax-M2's: each head's dimensions move
+                        norm = norm.view(-1, spec.head_dim)[:, layout].flatten()
                     weights.copy(getattr(attn, name).weight, p + f"self_attn.{name}.weight", norm)
             if spec.input_norms:
                 weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
@@ -922,14 +1013,22 @@ class CausalLM(nn.Module):
                 _all_loaded(layer, p)
                 loaded(layer)
         weights.copy(self.norm.weight, "norm.weight")
-        extra = next((key for key in state if ".experts." in key), None)
-        if extra is not None:  # every expert the config has was taken
+        # Every expert the config has was taken; the layers past the last (GLM-4.5's multi-token
+        # prediction layer, which the engine does not run) are left unread.
+        extra = next((key for key in state if ".experts." in key and _layer_of(key) < spec.num_layers), None)
+        if extra is not None:
             raise ModelError(f"weight `{extra}`: the checkpoint has more experts than the config's {spec.num_experts}")
         if spec.tie_word_embeddings or "lm_head.weight" not in state:
             self.lm_head.weight = self.embed_tokens.weight
             state.pop("lm_head.weight", None)
         else:
             weights.copy(self.lm_head.weight, "lm_head.weight")
+
+
+def _layer_of(key: str) -> int:
+    """The decoder layer a checkpoint's tensor belongs to (``layers.N.``); -1: none."""
+    found = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+    return int(found.group(1)) if found else -1
 
 
 def _all_loaded(module: nn.Module, prefix: str = "") -> None:

@@ -7,7 +7,10 @@ A router (``gate``) scores every expert for every token; each token runs through
 ``norm_topk_prob``). Qwen2-MoE adds a shared expert that every token runs through, scaled by a
 sigmoid gate. gpt-oss's router has a bias and softmaxes only the top-k logits it picks; its
 experts have biases and a clamped SwiGLU (:class:`.model.MLP`). Granite-MoE's router softmaxes
-its top-k logits too, with no bias. Numerics follow Hugging Face's
+its top-k logits too, with no bias. GLM-4.5, dots.llm1 and MiniMax-M2 route as DeepSeek-V3 does:
+sigmoid scores, plus a learned bias to choose the experts (not to weight them), among the best
+groups of experts where the config has groups, the weights times ``routed_scaling_factor``;
+ERNIE 4.5 the same from softmax scores. Their shared experts are added ungated. Numerics follow Hugging Face's
 implementation (transformers 5's grouped experts, what ``from_pretrained`` runs): the softmax in
 float32 (gpt-oss's in the logits' dtype), the same top-k, each (token, slot) pair's weighted
 output kept apart and the slots summed once per token, Mixtral's weights in float32 and the
@@ -46,10 +49,24 @@ class SparseMoE(nn.Module):
         self.normalize = spec.normalize_routing
         self.float_weights = spec.float_routing_weights
         self.softmax_top_k = spec.softmax_top_k
+        self.sigmoid, self.groups, self.routed_scale = spec.sigmoid_routing, spec.expert_groups, spec.routed_scale
+        self.float_router = spec.float_router
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
+        # DeepSeek-V3's e_score_correction_bias: added to the scores to choose experts only.
+        self.choice_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False) if spec.routing_bias else None
         self.experts = nn.ModuleList(expert(spec.expert_size) for _ in range(spec.num_experts))
         self.shared_expert = expert(spec.shared_expert_size) if spec.shared_expert_size else None
-        self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if spec.shared_expert_size else None
+        gated = spec.shared_expert_size and spec.shared_expert_gated
+        self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if gated else None
+
+    def keep_float_router(self) -> None:
+        """The router's weights (and its choice bias) back to float32 after the model was cast
+        to its dtype, for a model whose router works in float32 (``float_router``); the choice
+        bias is float32 always, as transformers keeps it."""
+        if self.float_router:
+            self.gate.float()
+        if self.choice_bias is not None:
+            self.choice_bias.data = self.choice_bias.data.float()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts ``[n, top_k]`` (best first) and their weights: float32
@@ -59,11 +76,32 @@ class SparseMoE(nn.Module):
             # In the logits' dtype: torch computes it in float32 and rounds once, as Granite-MoE's
             # float32 softmax then cast (the same bits, tested).
             return F.softmax(logits, dim=-1, dtype=logits.dtype).to(x.dtype), chosen
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        logits = self.gate(x.float()) if self.float_router else self.gate(x)
+        if self.sigmoid:
+            scores = torch.sigmoid(logits.float())
+        else:
+            scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.choice_bias is None:
+            weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+        else:
+            chosen = torch.topk(self._choice(scores + self.choice_bias), self.top_k, dim=-1).indices
+            weights = scores.gather(1, chosen)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scale is not None:
+            weights = weights * self.routed_scale
         return (weights if self.float_weights else weights.to(x.dtype)), chosen
+
+    def _choice(self, biased: torch.Tensor) -> torch.Tensor:
+        """The biased scores ``[n, E]`` an expert is chosen by: with groups, those outside the
+        ``topk_group`` groups whose two best scores sum highest set to -inf."""
+        if self.groups is None:
+            return biased
+        count, kept = self.groups
+        grouped = biased.view(-1, count, self.num_experts // count)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        dropped = torch.ones_like(best, dtype=torch.bool).scatter_(1, best.topk(kept, dim=-1).indices, False)
+        return grouped.masked_fill(dropped[..., None], float("-inf")).view(-1, self.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
@@ -83,8 +121,10 @@ class SparseMoE(nn.Module):
             start += count
             slots[pairs] = self.experts[e](x[pairs // self.top_k]) * pair_weights[pairs, None]
         out = slots.view(-1, self.top_k, x.shape[-1]).sum(dim=1).to(x.dtype)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
 
     def load(self, prefix: str, state: WeightReader) -> None:
@@ -103,6 +143,8 @@ class SparseMoE(nn.Module):
         state.copy(self.gate.weight, router + "weight")
         if self.gate.bias is not None:
             state.copy(self.gate.bias, router + "bias")
+        if self.choice_bias is not None:
+            self._load_choice_bias(moe, state)
         stacked = None
         if granite:
             stacked = ("input_linear.weight", "output_linear.weight")
@@ -124,8 +166,21 @@ class SparseMoE(nn.Module):
             for e, expert in enumerate(self.experts):
                 load_mlp(expert, f"{moe}experts.{e}.", state, names)
         if self.shared_expert is not None:
-            load_mlp(self.shared_expert, moe + "shared_expert.", state)
+            plural = any(state.has(f"{moe}shared_experts.{n}.weight") for n in ("gate_proj", "gate_up_proj"))
+            load_mlp(self.shared_expert, moe + ("shared_experts." if plural else "shared_expert."), state)
+        if self.shared_expert_gate is not None:
             state.copy(self.shared_expert_gate.weight, moe + "shared_expert_gate.weight")
+
+    CHOICE_BIAS_NAMES = ("gate.e_score_correction_bias", "e_score_correction_bias", "moe_statics.e_score_correction_bias",
+                         "gate.moe_statics.e_score_correction_bias")
+    """Where checkpoints keep the choice bias, under the block's prefix: DeepSeek-V3's, GLM-4.5's and
+    dots.llm1's router; MiniMax-M2's block; ERNIE 4.5's ``moe_statics`` (``[1, E]``), as released
+    and as transformers 5 holds it."""
+
+    def _load_choice_bias(self, moe: str, state: WeightReader) -> None:
+        name = next((moe + n for n in self.CHOICE_BIAS_NAMES if state.has(moe + n)), moe + self.CHOICE_BIAS_NAMES[0])
+        value = state.take(name)
+        state.copy(self.choice_bias, name, value.reshape(-1) if value.dim() == 2 and value.shape[0] == 1 else value)
 
     def _load_gpt_oss(self, moe: str, state: WeightReader) -> None:
         """gpt-oss's experts, stacked with biases: as its released checkpoints hold them, in MXFP4

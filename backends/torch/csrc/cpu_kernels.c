@@ -52,7 +52,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 16; }
+int rk_abi(void) { return 17; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -1053,7 +1053,8 @@ typedef struct {
     /* A mixture of experts in the MLP's place (experts != NULL; gate_up and down unused): the router's
      * float32 [num_experts, hidden] weights (and gpt-oss's bias); each expert's packed gate_up
      * [2 expert_inter] and down [hidden]; Qwen2-MoE's shared expert (NULL: none), which every token
-     * runs through, scaled by sigmoid(shared_gate . x). */
+     * runs through, scaled by sigmoid(shared_gate . x) (shared_gate NULL: added as it is, GLM-4.5's,
+     * dots.llm1's and ERNIE 4.5's shared experts). */
     const float *router, *router_bias;
     const rk_expert *experts, *shared;
     int64_t num_experts, top_k, expert_inter, expert_gate_up_kp, expert_down_kp;
@@ -1064,6 +1065,15 @@ typedef struct {
     float clamp_alpha, clamp_limit; /* gpt-oss's experts' clamped SwiGLU (clamp_limit > 0) */
     const float *shared_gate;
     int64_t shared_inter, shared_gate_up_kp, shared_down_kp;
+    /* DeepSeek-V3's routing (GLM-4.5, dots.llm1, MiniMax-M2; ERNIE 4.5 with softmax scores), with
+     * routing 0 or 1: sigmoid scores (0: the softmax); choice_bias [num_experts] added to the scores
+     * to choose the experts, whose weights are the scores themselves (NULL: none); with n_group > 1,
+     * chosen among the topk_group groups whose two best biased scores sum highest; the weights
+     * times routed_scale (1: none). */
+    int sigmoid;
+    const float *choice_bias;
+    int64_t n_group, topk_group;
+    float routed_scale;
 } rk_layer;
 
 typedef struct {
@@ -1112,23 +1122,58 @@ static void expert_mlp(const rk_model *md, const rk_layer *l, const rk_expert *e
     rk_linear(q2, dq2, M, down_kp, ex->down, md->group, md->bits, ex->down_bias, md->hidden, out, md->hidden, 0, xsum);
 }
 
+/* The biased scores c [E] of the experts outside the topk_group best groups (each scored by the
+ * sum of its two best) set to -inf; the lower index first among equal groups. */
+static void drop_groups(const rk_layer *l, float *c) {
+    const int64_t G = l->n_group, S = l->num_experts / G;
+    float best[G];
+    int kept[G];
+    for (int64_t g = 0; g < G; g++) {
+        float a = -INFINITY, b = -INFINITY; /* the group's best and second best */
+        for (int64_t e = g * S; e < (g + 1) * S; e++) {
+            if (c[e] > a) b = a, a = c[e];
+            else if (c[e] > b) b = c[e];
+        }
+        best[g] = a + b;
+        kept[g] = 0;
+    }
+    for (int64_t k = 0; k < l->topk_group; k++) {
+        int64_t top = -1;
+        for (int64_t g = 0; g < G; g++)
+            if (!kept[g] && (top < 0 || best[g] > best[top])) top = g;
+        kept[top] = 1;
+    }
+    for (int64_t g = 0; g < G; g++)
+        if (!kept[g])
+            for (int64_t e = g * S; e < (g + 1) * S; e++) c[e] = -INFINITY;
+}
+
 /* Row m's top_k experts into chosen[] (best first; the lower index first among exact equals,
  * which torch.topk does not promise: an exact tie may pick another of the equal experts than the
- * torch path) and their weights (l->routing) from its router logits p [E] (overwritten). */
-static void route(const rk_layer *l, float *p, int64_t *chosen, float *weights) {
+ * torch path) and their weights (l->routing, l->routed_scale) from its router logits p [E]
+ * (overwritten with the scores). c: E floats of scratch (the biased scores). */
+static void route(const rk_layer *l, float *p, float *c, int64_t *chosen, float *weights) {
     const int64_t E = l->num_experts, K = l->top_k;
-    if (l->routing != 2) { /* softmax over every expert first */
+    if (l->routing != 2 && l->sigmoid) {
+        for (int64_t e = 0; e < E; e++) p[e] = 1.f / (1.f + expf(-p[e]));
+    } else if (l->routing != 2) { /* softmax over every expert first */
         float top = -INFINITY, total = 0.f;
         for (int64_t e = 0; e < E; e++) top = p[e] > top ? p[e] : top;
         for (int64_t e = 0; e < E; e++) total += (p[e] = expf(p[e] - top));
         for (int64_t e = 0; e < E; e++) p[e] /= total;
+    }
+    const float *by = p; /* what the experts are chosen by */
+    if (l->choice_bias) {
+        for (int64_t e = 0; e < E; e++) c[e] = p[e] + l->choice_bias[e];
+        if (l->n_group > 1) drop_groups(l, c);
+        by = c;
     }
     for (int64_t s = 0; s < K; s++) {
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++) {
             int taken = 0;
             for (int64_t t = 0; t < s; t++) taken |= chosen[t] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            if (!taken && (best < 0 || by[e] > by[best])) best = e;
         }
         chosen[s] = best;
         weights[s] = p[best];
@@ -1143,6 +1188,8 @@ static void route(const rk_layer *l, float *p, int64_t *chosen, float *weights) 
         for (int64_t s = 0; s < K; s++) total += (weights[s] = expf(weights[s] - top));
         for (int64_t s = 0; s < K; s++) weights[s] /= total;
     }
+    if (l->routed_scale != 1.f)
+        for (int64_t s = 0; s < K; s++) weights[s] *= l->routed_scale;
 }
 
 /* A mixture of experts' block over the residual x [M, H] (its output added to x), as
@@ -1158,6 +1205,7 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
     const int64_t kp2 = l->expert_down_kp > l->shared_down_kp ? l->expert_down_kp : l->shared_down_kp;
     const int64_t II = I > SI ? I : SI;
     float *normed = malloc((size_t)(M * H) * sizeof(float)), *probs = malloc((size_t)(M * E) * sizeof(float));
+    float *choice = malloc((size_t)(M * E) * sizeof(float));
     float *weights = malloc((size_t)(M * K) * sizeof(float)), *slots = malloc((size_t)(M * K * H) * sizeof(float));
     float *gu = malloc((size_t)(M * 2 * II) * sizeof(float)), *tmp = malloc((size_t)II * sizeof(float));
     float *eo = malloc((size_t)(M * H) * sizeof(float)), *dqa = malloc((size_t)M * sizeof(float));
@@ -1165,7 +1213,7 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
     int64_t *chosen = malloc((size_t)(M * K) * sizeof(int64_t)), *pairs = malloc((size_t)(M * K) * sizeof(int64_t));
     int16_t *qa = malloc((size_t)(M * kp) * sizeof(int16_t)), *qe = malloc((size_t)(M * kp) * sizeof(int16_t));
     int16_t *q2 = malloc((size_t)(M * kp2) * sizeof(int16_t));
-    int ok = normed && probs && weights && slots && gu && tmp && eo && dqa && dqe && dq2 && chosen && pairs && qa &&
+    int ok = normed && probs && choice && weights && slots && gu && tmp && eo && dqa && dqe && dq2 && chosen && pairs && qa &&
              qe && q2;
     if (ok) {
         for (int64_t m = 0; m < M; m++) rmsnorm_row(x + m * H, H, l->ln2, l->eps2, normed + m * H);
@@ -1179,7 +1227,7 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
                 for (int64_t k = 0; k < H; k++) sum += n[k] * w[k];
                 p[e] = l->router_bias ? sum + l->router_bias[e] : sum;
             }
-            route(l, p, chosen + m * K, weights + m * K);
+            route(l, p, choice + m * E, chosen + m * K, weights + m * K);
         }
         for (int64_t e = 0; e < E; e++) {
             int64_t count = 0;
@@ -1207,8 +1255,8 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
                        l->shared_down_kp, SI, gu, tmp, q2, dq2, eo, xsum);
         }
         for (int64_t m = 0; m < M; m++) {
-            float g = 0.f;
-            if (l->shared) {
+            float g = 1.f; /* an ungated shared expert's factor */
+            if (l->shared_gate) {
                 const float *n = normed + m * H;
                 float sum = 0.f;
                 for (int64_t k = 0; k < H; k++) sum += n[k] * l->shared_gate[k];
@@ -1223,7 +1271,7 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
             }
         }
     }
-    free(normed), free(probs), free(weights), free(slots), free(gu), free(tmp), free(eo), free(dqa), free(dqe);
+    free(normed), free(probs), free(choice), free(weights), free(slots), free(gu), free(tmp), free(eo), free(dqa), free(dqe);
     free(dq2), free(chosen), free(pairs), free(qa), free(qe), free(q2);
     return ok;
 }

@@ -156,6 +156,17 @@ GRANITE_TWO = (
 GRANITE_SPELLED = 'Checking.\n<tool_call>[{"name": "get_time", "arguments": {}}]'
 GRANITE_NOT_A_MARKER = "Tags like <tool> and <|tool|> and [TOOL_CALLS] are not Granite's marker."
 
+QWEN3_CODER_ONE = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
+QWEN3_CODER_TWO = (
+    "I'll check both.\n\n<tool_call>\n<function=search>\n<parameter=q>\na </b> \"c\"\n{x}\n</parameter>\n"
+    "<parameter=filters>\n{\"site\": \"ü.org\"}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+    "<function=get_time>\n</function>\n</tool_call>"
+)
+QWEN3_CODER_BARE = "<function=get_weather>\n<parameter=city>\n東京 🌧\n</parameter>\n</function>"
+
 SAMPLES = [
     ("hermes", QWEN_ONE, "", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
     ("hermes", QWEN_TWO, "", [("get_weather", '{"city": "Paris"}'),
@@ -183,6 +194,11 @@ SAMPLES = [
     ("granite", GRANITE_TWO, "", [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "Paris events"}')]),
     ("granite", GRANITE_SPELLED, "Checking.", [("get_time", "{}")]),
     ("granite", GRANITE_NOT_A_MARKER, GRANITE_NOT_A_MARKER, []),
+    ("qwen3_coder", QWEN3_CODER_ONE, "", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    ("qwen3_coder", QWEN3_CODER_TWO, "I'll check both.", [("search", '{"q": "a </b> \\"c\\"\\n{x}", '
+                                                                    '"filters": {"site": "ü.org"}}'), ("get_time", "{}")]),
+    ("qwen3_coder", QWEN3_CODER_BARE, "", [("get_weather", '{"city": "東京 🌧"}')]),
+    ("qwen3_coder", "Use <b>bold</b> and <function> tags.", "Use <b>bold</b> and <function> tags.", []),
 ]
 SAMPLE_IDS = [f"{fmt}-{i}" for i, (fmt, *_) in enumerate(SAMPLES)]
 
@@ -518,10 +534,10 @@ def test_nothing_after_finish():
 
 
 def test_registry():
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "granite"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "granite", "qwen3_coder"}
     for name, cls in PARSERS.items():
         assert get_parser(name) is cls and cls.name == name
-    with pytest.raises(ValueError, match="granite, hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="granite, hermes, llama3_json, mistral, qwen3_coder"):
         get_parser("qwen3_xml")
 
 
@@ -570,12 +586,25 @@ def mistral_calls(*bodies: str) -> str:
     return "[TOOL_CALLS][" + ", ".join(bodies) + "]"
 
 
+def qwen3_coder_call(body: str) -> str:
+    """A JSON call body in Qwen3-Coder's layout: a string value as it is, others as JSON."""
+    call = json.loads(body)
+    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+                     for k, v in call["arguments"].items())
+    return f"<tool_call>\n<function={call['name']}>\n{params}</function>\n</tool_call>"
+
+
 WRAP = {
     "hermes": lambda *b: "\n".join(hermes_call(x) for x in b),
     "llama3_json": lambda *b: "; ".join(llama_call(x) for x in b),
     "mistral": mistral_calls,
     "granite": lambda *b: "<|tool_call|>[" + ", ".join(b) + "]",
+    "qwen3_coder": lambda *b: "\n".join(qwen3_coder_call(x) for x in b),
 }
+JSON_LAYOUT = {"compact separators", "free whitespace", "extra call key", "wrong type"}
+"""INVALID cases that only JSON can get wrong: in Qwen3-Coder's layout they write valid calls (a
+string parameter's text is any text)."""
+JSON_FORMATS = sorted(set(PARSERS) - {"qwen3_coder"})
 PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 PARIS_C = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 NESTED = '{"name": "search", "arguments": {"q": "a } b \\" c", "filters": {"site": "ü.org"}}}'
@@ -600,8 +629,8 @@ def test_grammar_accepts_a_valid_call(ll_tokenizer, fmt, body):
     assert accepts(matcher(ll_tokenizer, fmt), WRAP[fmt](body))
 
 
-@pytest.mark.parametrize("fmt", sorted(PARSERS))
-@pytest.mark.parametrize("why", sorted(INVALID))
+@pytest.mark.parametrize("fmt,why", [(fmt, why) for fmt in sorted(PARSERS) for why in sorted(INVALID)
+                                     if not (fmt == "qwen3_coder" and why in JSON_LAYOUT)])
 def test_grammar_rejects_an_invalid_call(ll_tokenizer, fmt, why):
     assert not accepts(matcher(ll_tokenizer, fmt), WRAP[fmt](INVALID[why]))
 
@@ -682,7 +711,8 @@ def test_grammar_text_for_one_tool():
 
 PIECES = [
     "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", "<tool", "[TOOL", "<|py",
-    "<|tool", "[ARGS]", "[CALL_ID]", "get_time", "[A",
+    "<|tool", "[ARGS]", "[CALL_ID]", "get_time", "[A", "<function=", "</function>", "<parameter=", "</parameter>",
+    "<function=get_time>", "<parameter=q>", ">",
     "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', '"get_time"', '"search"', ": ", ", ",
     ";", " ", "\n", "x", "\\", '"', "<", "1", "true", "é", "🌧",
 ]
@@ -759,8 +789,8 @@ def random_reply(fmt: str, rng: random.Random) -> tuple[str, list[tuple[str, dic
     return text, [(name, args) for name, args in calls]
 
 
-@pytest.mark.parametrize("fmt", sorted(PARSERS))
-def test_random_replies(fmt):
+@pytest.mark.parametrize("fmt", JSON_FORMATS)
+def test_random_replies(fmt):  # Qwen3-Coder's: test_tool_parser_qwen3_coder.py
     rng = random.Random(fmt)
     for i in range(150):
         text, calls = random_reply(fmt, rng)

@@ -49,15 +49,20 @@ def sdk(base_url):
 
 @pytest.mark.parametrize("name", list(ASK))
 def test_named_tool_choice_streams_the_same_call(sdk, model, name):
+    assert_forced_call_streams_the_same(sdk, model, name, 120)
+
+
+def assert_forced_call_streams_the_same(sdk, model: str, name: str, max_tokens: int):
+    """The model forced to call ``name``: one call to it, valid against its schema; the
+    message. Streamed, the SDK's own accumulation gives the same call."""
     kw = dict(model=model, messages=[{"role": "user", "content": ASK[name]}], tools=TOOLS, temperature=0,
-              tool_choice={"type": "function", "function": {"name": name}}, max_tokens=120)
+              tool_choice={"type": "function", "function": {"name": name}}, max_tokens=max_tokens)
     full = sdk.chat.completions.create(**kw)
     choice = full.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     assert call.function.name == name
     check_call(call)
-    # The SDK's own stream accumulation gives the same call.
     with sdk.chat.completions.stream(**kw) as stream:
         for _ in stream:
             pass
@@ -65,6 +70,7 @@ def test_named_tool_choice_streams_the_same_call(sdk, model, name):
     (streamed,) = final.choices[0].message.tool_calls
     assert streamed.function.name == name and streamed.function.arguments == call.function.arguments
     assert final.choices[0].finish_reason == "tool_calls"
+    return choice.message
 
 
 def test_required_tool_choice_calls_some_tool(sdk, model):

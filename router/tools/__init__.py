@@ -19,9 +19,10 @@ from .granite import GraniteParser
 from .hermes import HermesParser
 from .llama3_json import Llama3JsonParser
 from .mistral import MistralParser
+from .qwen3_coder import Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, GraniteParser)
+    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, GraniteParser, Qwen3CoderParser)
 }
 """Tool-call formats by name."""
 
@@ -42,6 +43,7 @@ __all__ = [
     "Llama3JsonParser",
     "MistralParser",
     "ParsedDelta",
+    "Qwen3CoderParser",
     "ToolCall",
     "ToolCallDelta",
     "ToolParser",

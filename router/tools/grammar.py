@@ -51,7 +51,12 @@ def arguments_schema(tool: dict) -> dict:
     """The tool's ``parameters`` schema as the arguments must match it: an object (also when
     the schema is absent), closed where it does not say otherwise, with our JSON options."""
     params = tool.get("function", {}).get("parameters") or {}
-    schema = {"type": "object", **params}
+    return closed_schema({"type": "object", **params})
+
+
+def closed_schema(schema: dict) -> dict:
+    """``schema`` closed where it does not say otherwise (objects take no other keys), with our
+    JSON options; the request's own schema is left untouched."""
     schema = ConstraintSpec("json", schema, "tools").closed().value
     schema["x-guidance"] = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
     return schema

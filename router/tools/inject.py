@@ -24,6 +24,8 @@ EXAMPLES = {
     "llama3_json": '{"name": "<function name>", "parameters": {<arguments as JSON>}}',
     "mistral": '[TOOL_CALLS][{"name": "<function name>", "arguments": {<arguments as JSON>}}]',
     "granite": '<|tool_call|>[{"name": "<function name>", "arguments": {<arguments as JSON>}}]',
+    "qwen3_coder": "<tool_call>\n<function=<function name>>\n<parameter=<argument name>>\n<argument value>\n"
+                   "</parameter>\n</function>\n</tool_call>",
 }
 
 SEPARATORS = {"llama3_json": "; "}
@@ -42,6 +44,10 @@ def call_as_text(call: dict[str, Any], parser: str) -> str:
     arguments = function.get("arguments", {})
     if parser == "llama3_json":
         return json.dumps({"name": function.get("name"), "parameters": arguments}, ensure_ascii=False)
+    if parser == "qwen3_coder":
+        params = "".join(f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}"
+                         f"\n</parameter>\n" for key, value in (arguments if isinstance(arguments, dict) else {}).items())
+        return f"<tool_call>\n<function={function.get('name')}>\n{params}</function>\n</tool_call>"
     if parser in ("mistral", "granite"):
         marker = "[TOOL_CALLS]" if parser == "mistral" else "<|tool_call|>"
         return marker + json.dumps([{"name": function.get("name"), "arguments": arguments}], ensure_ascii=False)

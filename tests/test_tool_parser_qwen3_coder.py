@@ -1,0 +1,231 @@
+"""Qwen3-Coder's XML-like tool calls: values typed by the tool's schema, streaming a parameter at
+a time, malformed and cut-off replies, random well-formed replies round-tripping, and the
+forced-call grammar (typed values, string constraints, no closing tag inside a value).
+
+The shared samples (whole text, any split, cut anywhere, grammar round trips) are in
+test_tool_parsers.py beside the other formats'."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from router.tools.qwen3_coder import convert_value, parameter_types
+import test_tool_parsers
+from test_tool_parsers import TOOLS, accepts, chars, matcher, random_splits, run, same_for_every_split, whole
+
+FMT = "qwen3_coder"
+TYPED = {
+    "type": "function",
+    "function": {
+        "name": "configure",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 12},
+                "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                "ratio": {"type": "number"},
+                "on": {"type": "boolean"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+                "extra": {"type": "object", "properties": {"k": {"type": "integer"}}},
+                "note": {"type": ["string", "null"]},
+                "mode": {"enum": ["fast", "slow"]},
+                "email": {"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.com$"},
+            },
+            "required": ["name", "count"],
+        },
+    },
+}
+ALL_TOOLS = [*TOOLS, TYPED]
+
+
+def xml(function: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={function}>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("text,kind,value", [
+    ("Paris", "string", "Paris"),
+    ("42", "string", "42"),  # a string stays a string, whatever it looks like
+    ("null", "string", "null"),
+    ("null", ["string", "null"], None),
+    ("42", "integer", 42),
+    (" -7 ", "integer", -7),
+    ("4.5", "integer", "4.5"),  # not an integer: kept as written
+    ("4.5", "number", 4.5),
+    ("1e3", "number", 1000.0),
+    ("12", "number", 12),
+    ("abc", "number", "abc"),
+    ("True", "boolean", True),
+    ("false", "boolean", False),
+    ("yes", "boolean", "yes"),
+    ("null", "integer", None),
+    ('{"a": [1, 2]}', "object", {"a": [1, 2]}),
+    ("[1, 2]", "array", [1, 2]),
+    ("{not json", "object", "{not json"),
+    ('{"a": 1}', None, {"a": 1}),  # untyped: JSON where it is JSON
+    ("plain words", None, "plain words"),
+    ("3", ["integer", "string"], "3"),  # a string among the types wins: the text as it is
+])
+def test_values_take_their_schema_type(text, kind, value):
+    assert convert_value(text, kind) == value
+
+
+def test_a_parameter_the_schema_does_not_name_is_a_string():
+    assert convert_value("42", None, known=False) == "42"
+    types = parameter_types(TYPED)
+    assert types["count"] == "integer" and types["mode"] is None and parameter_types(None) == {}
+    r = whole(FMT, xml("get_weather", city="7", country="42"), ALL_TOOLS)
+    assert r.pairs == [("get_weather", '{"city": "7", "country": "42"}')]
+
+
+def test_every_type_in_one_call():
+    text = xml("configure", name="ab", count="3", ratio="0.5", on="true", tags='["x", "y"]', extra='{"k": 1}',
+               note="null", mode="fast")
+    r = run(FMT, chars(text), ALL_TOOLS)
+    assert [(n, json.loads(a)) for n, a in r.pairs] == [("configure", {
+        "name": "ab", "count": 3, "ratio": 0.5, "on": True, "tags": ["x", "y"], "extra": {"k": 1}, "note": None,
+        "mode": "fast"})]
+
+
+def test_arguments_stream_a_parameter_at_a_time():
+    parser_deltas = []
+    from router.tools import get_parser
+
+    parser = get_parser(FMT)(TOOLS)
+    text = xml("get_weather", city="Paris", unit="celsius")
+    for piece in ("<tool_call>\n<function=get_", "weather>\n<parameter=city>\nPar", "is\n</parameter>\n",
+                  "<parameter=unit>\ncelsius\n</parameter>\n</function>", "\n</tool_call>"):
+        parser_deltas.append([(c.index, c.name, c.arguments) for c in parser.push(piece).calls])
+    assert "".join(text) == text
+    assert parser_deltas == [
+        [],  # the name is not complete
+        [(0, "get_weather", "")],  # the name, as soon as it is complete
+        [(0, None, '{"city": "Paris"')],  # a parameter once its closing tag came
+        [(0, None, ', "unit": "celsius"}')],  # the next, and the object's end at </function>
+        [],
+    ]
+    assert parser.finish().calls == []
+
+
+@pytest.mark.parametrize("text,content,pairs", [
+    # Cut off inside a value: the parameters already complete, closed into an object.
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncel", "",
+     [("get_weather", '{"city": "Paris"}')]),
+    ("<tool_call>\n<function=get_time>\n", "", [("get_time", "{}")]),
+    ("<tool_call>\n<function=get_ti", "", []),  # the name never completed: no call
+    ("Sure.\n<tool_call>\n", "Sure.", []),
+    # Markup that is neither a parameter nor the end: the call ends there, the block is dropped.
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<oops>\n</tool_call>After",
+     "After", [("get_weather", '{"city": "Paris"}')]),
+    ("<tool_call>\nno function here\n</tool_call>Then text.", "Then text.", []),
+    ("<tool_call>\n<function=bad\nname>\n</function>\n</tool_call>", "", []),
+    ("<tool_call>\n<function=>\n</function>\n</tool_call>", "", []),
+    ("<tool_call>\n<function=get_weather>\n<parameter=>\nx\n</parameter>\n</function>\n</tool_call>", "",
+     [("get_weather", "{}")]),
+    # No closing </tool_call>: what follows is content.
+    ("<tool_call>\n<function=get_time>\n</function>\nDone.", "Done.", [("get_time", "{}")]),
+    # A value keeps its inner line breaks and markup other than its closing tag.
+    (xml("search", q="line 1\n<b>two</b>\n\nthree"), "", [("search", '{"q": "line 1\\n<b>two</b>\\n\\nthree"}')]),
+])
+def test_malformed_and_cut_off_replies(text, content, pairs):
+    r = whole(FMT, text)
+    assert (r.content, r.pairs) == (content, pairs)
+    same_for_every_split(FMT, text, len(text))
+
+
+def random_text(rng: random.Random) -> str:
+    return "".join(rng.choice(["a", " ", "\n", "<", ">", "{", "}", '"', "ü", "🌧", "<tool_call>", "</function>", "x=1"])
+                   for _ in range(rng.randint(0, 8)))
+
+
+def test_random_replies_round_trip():
+    """Random calls to the typed tool written as the chat template writes them, read back in
+    random splits: the same values (strings as written, the others as typed)."""
+    rng = random.Random(7)
+    for i in range(200):
+        calls = []
+        for _ in range(rng.randint(1, 3)):
+            args = {"name": random_text(rng).strip("\n") or "n", "count": rng.randint(0, 99)}
+            if rng.random() < 0.5:
+                args["on"] = rng.random() < 0.5
+            if rng.random() < 0.5:
+                args["tags"] = [random_text(rng) for _ in range(rng.randint(0, 2))]
+            if rng.random() < 0.5:
+                args["ratio"] = rng.choice([0.25, -3, 1e-5])
+            calls.append(args)
+        body = "\n".join(xml("configure", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in c.items()})
+                         for c in calls)
+        text = rng.choice(["", "Let me set that up.\n\n"]) + body
+        r = run(FMT, random_splits(text, i), ALL_TOOLS)
+        assert [json.loads(a) for _, a in r.pairs] == calls, text
+        assert r.content in ("", "Let me set that up.")
+
+
+# -- the forced-call grammar ------------------------------------------------------------------------
+
+
+ll_tokenizer = test_tool_parsers.ll_tokenizer  # the byte tokenizer's, as a fixture here too
+
+
+@pytest.mark.parametrize("text,ok", [
+    (xml("configure", name="ab", count="3"), True),
+    (xml("configure", name="ab", count="3", ratio="-0.5e2", on="false", tags='["x", "y"]', extra='{"k": 2}',
+         note="anything\nat all", mode="slow", email="bob@mail.com"), True),
+    (xml("configure", count="3", name="ab"), False),  # the schema's order
+    (xml("configure", name="ab"), False),  # count is required
+    (xml("configure", name="ab", count="100"), False),  # above its maximum
+    (xml("configure", name="ab", count="x"), False),
+    (xml("configure", name="a" * 13, count="3"), False),  # longer than maxLength
+    (xml("configure", name="ab", count="3", note="a\n</parameter>\nb"), False),  # a closing tag inside a value
+    (xml("configure", name="ab", count="3", on="yes"), False),
+    (xml("configure", name="ab", count="3", mode="medium"), False),  # not in the enum
+    (xml("configure", name="ab", count="3", email="Bob@mail.com"), False),  # not the pattern
+    (xml("configure", name="ab", count="3", extra='{"k": 1, "j": 2}'), False),  # closed objects
+    (xml("configure", name="ab", count="3", tags="[1]"), False),
+    (xml("configure", name="ab", count="3", other="x"), False),
+    (xml("configure", name="", count="0"), True),
+    ("<function=configure>\n<parameter=name>\nab\n</parameter>\n<parameter=count>\n3\n</parameter>\n</function>",
+     False),  # the grammar writes the <tool_call> wrapper
+])
+def test_grammar_types_the_values(ll_tokenizer, text, ok):
+    assert accepts(matcher(ll_tokenizer, FMT, tools=ALL_TOOLS, choice="configure"), text) == ok
+    if ok:  # and the parser reads back what the grammar allowed, typed
+        (pair,) = whole(FMT, text, ALL_TOOLS).pairs
+        assert json.loads(pair[1])["count"] == int(text.split("<parameter=count>\n")[1].split("\n")[0])
+
+
+def test_grammar_text_for_one_tool():
+    from router.tools import get_parser
+
+    grammar = get_parser(FMT).grammar(TOOLS, "get_weather", False)
+    assert grammar.splitlines()[:2] == ["start: tool_call", "tool_call: call_0"]
+    assert 'call_0: "<tool_call>\\n<function=get_weather>\\n" p_0_0 p_0_1? "</function>\\n</tool_call>"' in grammar
+    assert 'p_0_1: "<parameter=unit>\\ncelsius\\n</parameter>\\n" | "<parameter=unit>\\nfahrenheit\\n</parameter>\\n"' in grammar
+
+
+# -- over HTTP: forced calls from the bundled model in this format ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def xml_sdk(tmp_path_factory):
+    import openai
+
+    from server import RouterProcess, llamacpp_config
+
+    router = RouterProcess(llamacpp_config("xml", extra='tool_parser = "qwen3_coder"'), tmp_path_factory.mktemp("xml"))
+    yield openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=300)
+    router.stop()
+
+
+@pytest.mark.parametrize("name", ["get_weather", "add", "send_email"])
+def test_a_forced_call_is_written_in_xml_and_read_back_typed(xml_sdk, name):
+    """SmolLM2 (whose template knows no tools: the instructions ask for this format) forced to
+    call each tool: the grammar makes it write the XML form, values typed by the schema (an
+    integer range, an enum, a pattern, a boolean, a length), and the parser gives OpenAI's
+    tool_calls, valid against the tool's schema; streamed, the same call."""
+    from test_tools_e2e import assert_forced_call_streams_the_same
+
+    assert not assert_forced_call_streams_the_same(xml_sdk, "xml", name, 150).content

@@ -233,8 +233,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                 b.normal_(0.0, 0.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    if arch == "glm4_moe":
-        _add_mtp_layer(folder / "model.safetensors", config.num_hidden_layers)
+    if arch in ("glm4_moe", "ernie4_5_moe"):
+        _add_mtp_layer(folder / "model.safetensors", config.num_hidden_layers, arch == "ernie4_5_moe")
     src = smollm2_folder()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (src / name).exists():
@@ -242,14 +242,15 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
     return folder
 
 
-def _add_mtp_layer(file: Path, layers: int) -> None:
-    """A GLM-4.5 multi-token prediction layer after the last, as its releases hold one: the last
-    layer's tensors again (experts and all) and its own projection and norms."""
+def _add_mtp_layer(file: Path, layers: int, ernie: bool = False) -> None:
+    """A multi-token prediction layer, as the releases hold one: the last layer's tensors again
+    (experts and all) and its own projection and norms, after the last layer (GLM-4.5) or as
+    ``mtp_block.0`` (ERNIE 4.5)."""
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(file))
     last = f"model.layers.{layers - 1}."
-    mtp = f"model.layers.{layers}."
+    mtp = "model.mtp_block.0." if ernie else f"model.layers.{layers}."
     extra = {mtp + k[len(last):]: v.clone() for k, v in state.items() if k.startswith(last)}
     hidden = state["model.norm.weight"].shape[0]
     extra.update({mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden), mtp + "enorm.weight": torch.ones(hidden),

@@ -1014,8 +1014,9 @@ class CausalLM(nn.Module):
                 loaded(layer)
         weights.copy(self.norm.weight, "norm.weight")
         # Every expert the config has was taken; the layers past the last (GLM-4.5's multi-token
-        # prediction layer, which the engine does not run) are left unread.
-        extra = next((key for key in state if ".experts." in key and _layer_of(key) < spec.num_layers), None)
+        # prediction layer) and the tensors of no decoder layer (ERNIE 4.5's mtp_block), which
+        # the engine does not run, are left unread.
+        extra = next((key for key in state if ".experts." in key and 0 <= _layer_of(key) < spec.num_layers), None)
         if extra is not None:
             raise ModelError(f"weight `{extra}`: the checkpoint has more experts than the config's {spec.num_experts}")
         if spec.tie_word_embeddings or "lm_head.weight" not in state:

@@ -60,13 +60,13 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if gated else None
 
     def keep_float_router(self) -> None:
-        """The router's weights (and its choice bias) back to float32 after the model was cast
-        to its dtype, for a model whose router works in float32 (``float_router``); the choice
-        bias is float32 always, as transformers keeps it."""
+        """The router's weights and its choice bias back to float32 after the model was cast to
+        its dtype, for a model whose router works in float32 (``float_router``), as
+        transformers keeps them (MiniMax-M2's are in the model's dtype)."""
         if self.float_router:
             self.gate.float()
-        if self.choice_bias is not None:
-            self.choice_bias.data = self.choice_bias.data.float()
+            if self.choice_bias is not None:
+                self.choice_bias.data = self.choice_bias.data.float()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts ``[n, top_k]`` (best first) and their weights: float32

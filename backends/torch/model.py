@@ -133,6 +133,11 @@ class ModelSpec:
     # (residual_multiplier), and the logits are divided by logits_scaling; None: neither.
     residual_scale: float | None = None
     logits_scaling: float | None = None
+    # FP8 checkpoints (quantization_config quant_method "fp8": DeepSeek-V3's, Qwen3's and
+    # Mistral's FP8 releases): float8 weights with their weight_scale_inv, decoded when loaded;
+    # the scales' block (rows, columns), or None for one scale a tensor.
+    fp8_weights: bool = False
+    fp8_block: tuple[int, int] | None = None
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
@@ -239,7 +244,7 @@ class ModelSpec:
         model_type = getattr(cfg, "model_type", None)
         if model_type not in cls.SUPPORTED:
             raise ModelError(f"model_type `{model_type}` is not supported; supported: {', '.join(cls.SUPPORTED)}")
-        _check_quantization(cfg, model_type)
+        quantization = _quantization(cfg, model_type)
         if model_type in cls.IMAGE_TEXT:  # Gemma 3 from 4B up, Mistral Small 3.1+: their language model
             outer, cfg, model_type = model_type, cfg.text_config, cfg.text_config.model_type
             if model_type not in cls.SUPPORTED or model_type in cls.IMAGE_TEXT:
@@ -357,6 +362,7 @@ class ModelSpec:
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
+            **quantization,
         )
 
 
@@ -388,23 +394,37 @@ def _granite_multipliers(cfg: Any) -> dict[str, float]:
     return found
 
 
-def _check_quantization(cfg: Any, model_type: str) -> None:
-    """Refuse a quantized checkpoint (``quantization_config``: FP8, GPTQ, AWQ, bitsandbytes...),
-    whose weights would otherwise load as their raw values without their scales; gpt-oss's MXFP4
-    experts are decoded (weights.dequantize_mxfp4)."""
+def _quantization(cfg: Any, model_type: str) -> dict[str, Any]:
+    """The spec's fields for a quantized checkpoint (``quantization_config``): FP8 weights
+    (``fp8``, e4m3, with one scale a tensor or a block of ``weight_block_size``) are decoded as
+    they load (weights.dequantize_fp8), gpt-oss's MXFP4 experts too (weights.dequantize_mxfp4);
+    any other method (GPTQ, AWQ, bitsandbytes...) is refused: its weights would load as their
+    raw values without their scales."""
+    found: dict[str, Any] = {}
     for config in (cfg, getattr(cfg, "text_config", None)):
         quant = getattr(config, "quantization_config", None)
         if not quant:
             continue
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        get = quant.get if isinstance(quant, dict) else lambda key, default=None: getattr(quant, key, default)
+        method = get("quant_method")
         method = getattr(method, "value", method)  # transformers may hold it as an enum
         if method == "mxfp4" and model_type == "gpt_oss":
             continue
+        if method == "fp8" and get("fmt", "e4m3") == "e4m3":
+            block = get("weight_block_size")
+            if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
+                    isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+                raise ModelError(f"quantization_config weight_block_size {block!r} must be two positive integers or null")
+            found = {"fp8_weights": True, "fp8_block": tuple(block) if block is not None else None}
+            continue
         raise ModelError(
-            f"quantization_config quant_method `{method}`: quantized checkpoints are not read here (gpt-oss's "
-            "MXFP4 aside); use the model's bfloat16 release (weight_format int8 or int4 quantizes it on the CPU), "
+            f"quantization_config quant_method `{method}`"
+            + (f" fmt `{get('fmt')}`" if method == "fp8" else "")
+            + ": quantized checkpoints are not read here (FP8 e4m3 and gpt-oss's MXFP4 aside); use the model's "
+            "bfloat16 release (weight_format int8 or int4 quantizes it on the CPU), "
             'or a GGUF file with backend "llamacpp"'
         )
+    return found
 
 
 def _query_position_scaling(scaling: dict[str, Any] | None) -> tuple[float, int] | None:
@@ -961,7 +981,7 @@ class CausalLM(nn.Module):
         other supported architectures' own names). ``loaded``: called on each decoder layer once
         its weights are all in."""
         spec = self.spec
-        weights = WeightReader(state, ModelError, self)
+        weights = WeightReader(state, ModelError, self, fp8=spec.fp8_block if spec.fp8_weights else False)
         weights.copy(self.embed_tokens.weight, "embed_tokens.weight")
         rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
 

@@ -19,9 +19,12 @@ class WeightReader:
     meta-built model skips the allocation and random initialisation of weights about to be
     overwritten."""
 
-    def __init__(self, state: dict[str, torch.Tensor], error: Callable[[str], Exception], model: nn.Module) -> None:
+    def __init__(self, state: dict[str, torch.Tensor], error: Callable[[str], Exception], model: nn.Module,
+                 fp8: tuple[int, int] | None | bool = False) -> None:
         self.state = state
         self.error = error
+        # FP8 weights: decoded with their scales' block (None: one scale a tensor); False: none expected.
+        self.fp8 = fp8
         # Weak: a layer packed as soon as it is loaded drops its float modules (CausalLM.from_state_dict).
         self._owners = {
             id(p): (weakref.ref(m), name) for m in model.modules() for name, p in m.named_parameters(recurse=False)
@@ -34,8 +37,22 @@ class WeightReader:
     def take(self, name: str) -> torch.Tensor:
         for key in (name, f"model.{name}"):
             if key in self.state:
-                return self.state.pop(key)
+                value = self.state.pop(key)
+                return self._fp8_decoded(key, value) if value.dtype in FP8_DTYPES else value
         raise self.error(f"checkpoint has no weight `{name}`")
+
+    def _fp8_decoded(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """An FP8 weight times its ``weight_scale_inv``, as float32."""
+        if self.fp8 is False:
+            raise self.error(f"weight `{key}` is FP8 ({value.dtype}), but the config has no FP8 quantization_config")
+        scale = self.state.pop(key + "_scale_inv", None)
+        if scale is None:
+            raise self.error(f"FP8 weight `{key}` has no `{key}_scale_inv` beside it")
+        self.state.pop(key.removesuffix("weight") + "activation_scale", None)  # static activation scales: unused
+        try:
+            return dequantize_fp8(value, scale, self.fp8)
+        except ValueError as exc:
+            raise self.error(f"FP8 weight `{key}`: {exc}") from None
 
     def copy(self, param: torch.Tensor, name: str, value: torch.Tensor | None = None) -> None:
         """``param`` from ``value``, or else from the checkpoint's ``name``."""
@@ -71,6 +88,28 @@ def load_mlp(mlp: nn.Module, prefix: str, state: WeightReader, names: tuple[str,
         bias = torch.cat([state.take(f"{prefix}{gate}.bias"), state.take(f"{prefix}{up}.bias")])
         state.copy(mlp.gate_up_proj.bias, prefix + "gate_up_proj.bias", bias)
         state.copy(mlp.down_proj.bias, f"{prefix}{down}.bias")
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """FP8 weights ``[..., rows, cols]`` times their scales, as float32: one scale for the tensor
+    (``block`` None, or a single scale), or one per block of ``block`` rows and columns
+    (``[..., ceil(rows / block rows), ceil(cols / block cols)]``; the last blocks may be partial).
+    float32 products of an e4m3 value and a float32 scale, rounded once."""
+    values = weight.to(torch.float32)
+    scale = scale_inv.to(torch.float32)
+    if scale.numel() == 1:
+        return values * scale.reshape(())
+    if block is None:
+        raise ValueError(f"{scale.numel()} scales for a tensor, and no weight_block_size in the config")
+    rows, cols = values.shape[-2:]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape[-2:]) != grid or scale.shape[:-2] != values.shape[:-2]:
+        raise ValueError(f"scales of shape {tuple(scale.shape)} for blocks of {list(block)} of a {tuple(values.shape)} tensor")
+    full = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    return values * full
 
 
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

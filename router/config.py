@@ -78,7 +78,8 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     chat_template: str | None = None
     """Path of a Jinja file that overrides the model's own chat template."""
     owned_by: str = "router"
-    tool_parser: Literal["hermes", "llama3_json", "mistral", "granite", "qwen3_coder", "openai"] | None = "hermes"
+    tool_parser: Literal["hermes", "llama3_json", "mistral", "granite", "qwen3_coder", "seed_oss", "glm45", "minimax_m2",
+                         "openai"] | None = "hermes"
     """How a local model writes tool calls (docs/tools.md); None: the model takes no tools.
     ``openai``: gpt-oss's harmony format, read with its reasoning (router/harmony.py)."""
     reasoning_parser: Literal["deepseek_r1", "qwen3", "mistral", "openai_gptoss"] | None = None

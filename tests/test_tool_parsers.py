@@ -166,6 +166,15 @@ QWEN3_CODER_TWO = (
     "<function=get_time>\n</function>\n</tool_call>"
 )
 QWEN3_CODER_BARE = "<function=get_weather>\n<parameter=city>\n東京 🌧\n</parameter>\n</function>"
+SEED_ONE = ("Checking.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+            "<parameter=unit>celsius</parameter>\n</function>\n</seed:tool_call>")
+GLM45_TWO = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n"
+             "<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>a </b> \"c\"</arg_value>\n<arg_key>filters</arg_key>\n"
+             "<arg_value>{\"site\": \"ü.org\"}</arg_value>\n</tool_call>")
+GLM47_TIGHT = "Let me see.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+GLM45_NO_ARGS = "<tool_call>get_time\n</tool_call>"
+MINIMAX_TWO = ("Two calls.\n<minimax:tool_call>\n<invoke name=\"get_weather\">\n<parameter name=\"city\">Paris</parameter>\n"
+               "</invoke>\n<invoke name=\"get_time\">\n</invoke>\n</minimax:tool_call>")
 
 SAMPLES = [
     ("hermes", QWEN_ONE, "", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
@@ -199,6 +208,12 @@ SAMPLES = [
                                                                     '"filters": {"site": "ü.org"}}'), ("get_time", "{}")]),
     ("qwen3_coder", QWEN3_CODER_BARE, "", [("get_weather", '{"city": "東京 🌧"}')]),
     ("qwen3_coder", "Use <b>bold</b> and <function> tags.", "Use <b>bold</b> and <function> tags.", []),
+    ("seed_oss", SEED_ONE, "Checking.", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    ("glm45", GLM45_TWO, "", [("get_weather", '{"city": "Paris"}'),
+                              ("search", '{"q": "a </b> \\"c\\"", "filters": {"site": "ü.org"}}')]),
+    ("glm45", GLM47_TIGHT, "Let me see.", [("get_weather", '{"city": "Paris"}')]),
+    ("glm45", GLM45_NO_ARGS, "", [("get_time", "{}")]),
+    ("minimax_m2", MINIMAX_TWO, "Two calls.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
 ]
 SAMPLE_IDS = [f"{fmt}-{i}" for i, (fmt, *_) in enumerate(SAMPLES)]
 
@@ -534,10 +549,10 @@ def test_nothing_after_finish():
 
 
 def test_registry():
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "granite", "qwen3_coder"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "granite", *XML_FORMATS}
     for name, cls in PARSERS.items():
         assert get_parser(name) is cls and cls.name == name
-    with pytest.raises(ValueError, match="granite, hermes, llama3_json, mistral, qwen3_coder"):
+    with pytest.raises(ValueError, match="glm45, granite, hermes, llama3_json, minimax_m2, mistral, qwen3_coder, seed_oss"):
         get_parser("qwen3_xml")
 
 
@@ -586,12 +601,31 @@ def mistral_calls(*bodies: str) -> str:
     return "[TOOL_CALLS][" + ", ".join(bodies) + "]"
 
 
-def qwen3_coder_call(body: str) -> str:
-    """A JSON call body in Qwen3-Coder's layout: a string value as it is, others as JSON."""
+def xml_call(body: str, fmt: str) -> str:
+    """A JSON call body in an XML-like format's layout (its chat template's): a string value as it
+    is, others as JSON."""
     call = json.loads(body)
-    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
-                     for k, v in call["arguments"].items())
-    return f"<tool_call>\n<function={call['name']}>\n{params}</function>\n</tool_call>"
+    text = lambda v: v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)  # noqa: E731
+    name, args = call["name"], call["arguments"].items()
+    if fmt == "glm45":
+        return (f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{text(v)}</arg_value>\n"
+                                                 for k, v in args) + "</tool_call>")
+    if fmt == "minimax_m2":  # one call; the block around them all: xml_calls_of
+        return f'<invoke name="{name}">\n' + "".join(f'<parameter name="{k}">{text(v)}</parameter>\n'
+                                                    for k, v in args) + "</invoke>\n"
+    if fmt == "seed_oss":
+        return (f"<seed:tool_call>\n<function={name}>\n" + "".join(f"<parameter={k}>{text(v)}</parameter>\n"
+                                                                   for k, v in args) + "</function>\n</seed:tool_call>")
+    return (f"<tool_call>\n<function={name}>\n" + "".join(f"<parameter={k}>\n{text(v)}\n</parameter>\n"
+                                                          for k, v in args) + "</function>\n</tool_call>")
+
+
+def xml_calls_of(fmt: str, *bodies: str) -> str:
+    calls = [xml_call(b, fmt) for b in bodies]
+    return "<minimax:tool_call>\n" + "".join(calls) + "</minimax:tool_call>" if fmt == "minimax_m2" else "\n".join(calls)
+
+
+XML_FORMATS = ("qwen3_coder", "seed_oss", "glm45", "minimax_m2")
 
 
 WRAP = {
@@ -599,12 +633,12 @@ WRAP = {
     "llama3_json": lambda *b: "; ".join(llama_call(x) for x in b),
     "mistral": mistral_calls,
     "granite": lambda *b: "<|tool_call|>[" + ", ".join(b) + "]",
-    "qwen3_coder": lambda *b: "\n".join(qwen3_coder_call(x) for x in b),
+    **{fmt: (lambda f: lambda *b: xml_calls_of(f, *b))(fmt) for fmt in XML_FORMATS},
 }
 JSON_LAYOUT = {"compact separators", "free whitespace", "extra call key", "wrong type"}
 """INVALID cases that only JSON can get wrong: in Qwen3-Coder's layout they write valid calls (a
 string parameter's text is any text)."""
-JSON_FORMATS = sorted(set(PARSERS) - {"qwen3_coder"})
+JSON_FORMATS = sorted(set(PARSERS) - set(XML_FORMATS))
 PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 PARIS_C = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 NESTED = '{"name": "search", "arguments": {"q": "a } b \\" c", "filters": {"site": "ü.org"}}}'
@@ -630,7 +664,7 @@ def test_grammar_accepts_a_valid_call(ll_tokenizer, fmt, body):
 
 
 @pytest.mark.parametrize("fmt,why", [(fmt, why) for fmt in sorted(PARSERS) for why in sorted(INVALID)
-                                     if not (fmt == "qwen3_coder" and why in JSON_LAYOUT)])
+                                     if not (fmt in XML_FORMATS and why in JSON_LAYOUT)])
 def test_grammar_rejects_an_invalid_call(ll_tokenizer, fmt, why):
     assert not accepts(matcher(ll_tokenizer, fmt), WRAP[fmt](INVALID[why]))
 
@@ -712,7 +746,9 @@ def test_grammar_text_for_one_tool():
 PIECES = [
     "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", "<tool", "[TOOL", "<|py",
     "<|tool", "[ARGS]", "[CALL_ID]", "get_time", "[A", "<function=", "</function>", "<parameter=", "</parameter>",
-    "<function=get_time>", "<parameter=q>", ">",
+    "<function=get_time>", "<parameter=q>", ">", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+    "<minimax:tool_call>", "</minimax:tool_call>", '<invoke name="', "</invoke>", '<parameter name="', '">',
+    "<seed:tool_call>", "</seed:tool_call>",
     "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"', '"get_time"', '"search"', ": ", ", ",
     ";", " ", "\n", "x", "\\", '"', "<", "1", "true", "é", "🌧",
 ]
@@ -790,7 +826,7 @@ def random_reply(fmt: str, rng: random.Random) -> tuple[str, list[tuple[str, dic
 
 
 @pytest.mark.parametrize("fmt", JSON_FORMATS)
-def test_random_replies(fmt):  # Qwen3-Coder's: test_tool_parser_qwen3_coder.py
+def test_random_replies(fmt):  # the XML-like formats': test_tool_parser_xml.py
     rng = random.Random(fmt)
     for i in range(150):
         text, calls = random_reply(fmt, rng)
@@ -829,7 +865,9 @@ def test_injected_calls_are_written_so_that_the_parser_reads_them_back(fmt):
 
 # -- markers that are control tokens in the model's vocabulary ---------------------------------------
 
-CONTROL_TOK = ByteTokenizer(["[TOOL_CALLS]", "[ARGS]", "<|tool_call|>"])
+CONTROL_TOK = ByteTokenizer(["[TOOL_CALLS]", "[ARGS]", "<|tool_call|>", "<tool_call>", "</tool_call>", "<arg_key>",
+                             "</arg_key>", "<arg_value>", "</arg_value>", "<minimax:tool_call>", "</minimax:tool_call>",
+                             "<seed:tool_call>", "</seed:tool_call>"])
 
 
 def control_matcher(fmt, tools=TOOLS, choice=None, parallel=False):
@@ -855,6 +893,12 @@ def takes(m, ids) -> bool:
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
     ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+    # GLM-4.5's every marker a control token: a string value's text ends where one begins.
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+                   "</invoke>\n</minimax:tool_call>"),
+    ("seed_oss", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n"
+                 "</seed:tool_call>"),
 ])
 def test_a_forced_call_writes_the_markers_as_the_control_tokens_they_are(fmt, text):
     # A grammar's quoted text never matches a control token: written quoted, the markers could

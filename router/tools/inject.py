@@ -24,9 +24,8 @@ EXAMPLES = {
     "llama3_json": '{"name": "<function name>", "parameters": {<arguments as JSON>}}',
     "mistral": '[TOOL_CALLS][{"name": "<function name>", "arguments": {<arguments as JSON>}}]',
     "granite": '<|tool_call|>[{"name": "<function name>", "arguments": {<arguments as JSON>}}]',
-    "qwen3_coder": "<tool_call>\n<function=<function name>>\n<parameter=<argument name>>\n<argument value>\n"
-                   "</parameter>\n</function>\n</tool_call>",
 }
+"""The JSON formats' examples; the XML-like formats write theirs (:func:`_xml_format`)."""
 
 SEPARATORS = {"llama3_json": "; "}
 """What joins several calls of one message, where a format's parser needs more than a line break."""
@@ -44,20 +43,29 @@ def call_as_text(call: dict[str, Any], parser: str) -> str:
     arguments = function.get("arguments", {})
     if parser == "llama3_json":
         return json.dumps({"name": function.get("name"), "parameters": arguments}, ensure_ascii=False)
-    if parser == "qwen3_coder":
-        params = "".join(f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}"
-                         f"\n</parameter>\n" for key, value in (arguments if isinstance(arguments, dict) else {}).items())
-        return f"<tool_call>\n<function={function.get('name')}>\n{params}</function>\n</tool_call>"
+    if (xml := _xml_format(parser)) is not None:
+        return xml.write_calls([(function.get("name"), arguments if isinstance(arguments, dict) else {})])
     if parser in ("mistral", "granite"):
         marker = "[TOOL_CALLS]" if parser == "mistral" else "<|tool_call|>"
         return marker + json.dumps([{"name": function.get("name"), "arguments": arguments}], ensure_ascii=False)
     return "<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
+def _xml_format(parser: str) -> Any:
+    """The parser class of an XML-like format (:mod:`.xml_calls`), else None."""
+    from .xml_calls import XmlCallParser
+
+    cls = next((c for c in XmlCallParser.__subclasses__() if c.name == parser), None)
+    return cls
+
+
 def inject(messages: list[dict[str, Any]], tools: list[dict[str, Any]], parser: str) -> list[dict[str, Any]]:
     """The conversation with the tool list in its system message and tool calls as text."""
     listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-    text = INSTRUCTIONS.format(tools=listing, example=EXAMPLES.get(parser, EXAMPLES["hermes"]))
+    xml = _xml_format(parser)
+    example = xml.write_calls([("<function name>", {"<argument name>": "<argument value>"})]) if xml else EXAMPLES.get(
+        parser, EXAMPLES["hermes"])
+    text = INSTRUCTIONS.format(tools=listing, example=example)
     out = [dict(m) for m in messages]
     if out and out[0].get("role") in ("system", "developer") and isinstance(out[0].get("content"), str):
         out[0]["content"] = out[0]["content"].rstrip() + "\n\n" + text

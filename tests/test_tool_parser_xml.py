@@ -1,9 +1,10 @@
-"""Qwen3-Coder's XML-like tool calls: values typed by the tool's schema, streaming a parameter at
-a time, malformed and cut-off replies, random well-formed replies round-tripping, and the
-forced-call grammar (typed values, string constraints, no closing tag inside a value).
+"""The XML-like tool-call formats (Qwen3-Coder's, Seed-OSS's, GLM-4.5's, MiniMax-M2's): values
+typed by the tool's schema, streaming a parameter at a time, malformed and cut-off replies,
+random well-formed replies round-tripping, the forced-call grammar (typed values, string
+constraints, no closing tag inside a value), and forced calls over HTTP.
 
-The shared samples (whole text, any split, cut anywhere, grammar round trips) are in
-test_tool_parsers.py beside the other formats'."""
+The shared samples (whole text, any split, cut anywhere, grammar round trips, control-token
+markers) are in test_tool_parsers.py beside the other formats'."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import random
 
 import pytest
 
-from router.tools.qwen3_coder import convert_value, parameter_types
+from router.tools.xml_calls import convert_value, parameter_types
 import test_tool_parsers
-from test_tool_parsers import TOOLS, accepts, chars, matcher, random_splits, run, same_for_every_split, whole
+from test_tool_parsers import (
+    TOOLS, XML_FORMATS, accepts, chars, matcher, random_splits, run, same_for_every_split, whole, xml_calls_of,
+)
 
 FMT = "qwen3_coder"
 TYPED = {
@@ -41,9 +44,9 @@ TYPED = {
 ALL_TOOLS = [*TOOLS, TYPED]
 
 
-def xml(function: str, **params: str) -> str:
-    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={function}>\n{body}</function>\n</tool_call>"
+def xml(function: str, fmt: str = FMT, **params: str) -> str:
+    """One call in ``fmt``'s layout, its values the text given."""
+    return xml_calls_of(fmt, json.dumps({"name": function, "arguments": params}))
 
 
 @pytest.mark.parametrize("text,kind,value", [
@@ -81,10 +84,11 @@ def test_a_parameter_the_schema_does_not_name_is_a_string():
     assert r.pairs == [("get_weather", '{"city": "7", "country": "42"}')]
 
 
-def test_every_type_in_one_call():
-    text = xml("configure", name="ab", count="3", ratio="0.5", on="true", tags='["x", "y"]', extra='{"k": 1}',
+@pytest.mark.parametrize("fmt", XML_FORMATS)
+def test_every_type_in_one_call(fmt):
+    text = xml("configure", fmt, name="ab", count="3", ratio="0.5", on="true", tags='["x", "y"]', extra='{"k": 1}',
                note="null", mode="fast")
-    r = run(FMT, chars(text), ALL_TOOLS)
+    r = run(fmt, chars(text), ALL_TOOLS)
     assert [(n, json.loads(a)) for n, a in r.pairs] == [("configure", {
         "name": "ab", "count": 3, "ratio": 0.5, "on": True, "tags": ["x", "y"], "extra": {"k": 1}, "note": None,
         "mode": "fast"})]
@@ -137,14 +141,16 @@ def test_malformed_and_cut_off_replies(text, content, pairs):
 
 
 def random_text(rng: random.Random) -> str:
-    return "".join(rng.choice(["a", " ", "\n", "<", ">", "{", "}", '"', "ü", "🌧", "<tool_call>", "</function>", "x=1"])
+    return "".join(rng.choice(["a", " ", "\n", "<", ">", "{", "}", '"', "ü", "🌧", "<tool_call>", "</function>", "x=1",
+                               "<arg_key>", "</invoke>", '">'])
                    for _ in range(rng.randint(0, 8)))
 
 
-def test_random_replies_round_trip():
+@pytest.mark.parametrize("fmt", XML_FORMATS)
+def test_random_replies_round_trip(fmt):
     """Random calls to the typed tool written as the chat template writes them, read back in
     random splits: the same values (strings as written, the others as typed)."""
-    rng = random.Random(7)
+    rng = random.Random(fmt)
     for i in range(200):
         calls = []
         for _ in range(rng.randint(1, 3)):
@@ -156,10 +162,9 @@ def test_random_replies_round_trip():
             if rng.random() < 0.5:
                 args["ratio"] = rng.choice([0.25, -3, 1e-5])
             calls.append(args)
-        body = "\n".join(xml("configure", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in c.items()})
-                         for c in calls)
+        body = xml_calls_of(fmt, *(json.dumps({"name": "configure", "arguments": c}) for c in calls))
         text = rng.choice(["", "Let me set that up.\n\n"]) + body
-        r = run(FMT, random_splits(text, i), ALL_TOOLS)
+        r = run(fmt, random_splits(text, i), ALL_TOOLS)
         assert [json.loads(a) for _, a in r.pairs] == calls, text
         assert r.content in ("", "Let me set that up.")
 
@@ -170,31 +175,43 @@ def test_random_replies_round_trip():
 ll_tokenizer = test_tool_parsers.ll_tokenizer  # the byte tokenizer's, as a fixture here too
 
 
-@pytest.mark.parametrize("text,ok", [
-    (xml("configure", name="ab", count="3"), True),
-    (xml("configure", name="ab", count="3", ratio="-0.5e2", on="false", tags='["x", "y"]', extra='{"k": 2}',
-         note="anything\nat all", mode="slow", email="bob@mail.com"), True),
-    (xml("configure", count="3", name="ab"), False),  # the schema's order
-    (xml("configure", name="ab"), False),  # count is required
-    (xml("configure", name="ab", count="100"), False),  # above its maximum
-    (xml("configure", name="ab", count="x"), False),
-    (xml("configure", name="a" * 13, count="3"), False),  # longer than maxLength
-    (xml("configure", name="ab", count="3", note="a\n</parameter>\nb"), False),  # a closing tag inside a value
-    (xml("configure", name="ab", count="3", on="yes"), False),
-    (xml("configure", name="ab", count="3", mode="medium"), False),  # not in the enum
-    (xml("configure", name="ab", count="3", email="Bob@mail.com"), False),  # not the pattern
-    (xml("configure", name="ab", count="3", extra='{"k": 1, "j": 2}'), False),  # closed objects
-    (xml("configure", name="ab", count="3", tags="[1]"), False),
-    (xml("configure", name="ab", count="3", other="x"), False),
-    (xml("configure", name="", count="0"), True),
-    ("<function=configure>\n<parameter=name>\nab\n</parameter>\n<parameter=count>\n3\n</parameter>\n</function>",
-     False),  # the grammar writes the <tool_call> wrapper
-])
-def test_grammar_types_the_values(ll_tokenizer, text, ok):
-    assert accepts(matcher(ll_tokenizer, FMT, tools=ALL_TOOLS, choice="configure"), text) == ok
+CALLS = [  # the parameters of a call to "configure", each value's text; whether the grammar takes it
+    ({"name": "ab", "count": "3"}, True),
+    ({"name": "ab", "count": "3", "ratio": "-0.5e2", "on": "false", "tags": '["x", "y"]', "extra": '{"k": 2}',
+      "note": "anything\nat all", "mode": "slow", "email": "bob@mail.com"}, True),
+    ({"count": "3", "name": "ab"}, False),  # the schema's order
+    ({"name": "ab"}, False),  # count is required
+    ({"name": "ab", "count": "100"}, False),  # above its maximum
+    ({"name": "ab", "count": "x"}, False),
+    ({"name": "a" * 13, "count": "3"}, False),  # longer than maxLength
+    ({"name": "ab", "count": "3", "note": "a{close}b"}, False),  # the value's closing tag inside it
+    ({"name": "ab", "count": "3", "on": "yes"}, False),
+    ({"name": "ab", "count": "3", "mode": "medium"}, False),  # not in the enum
+    ({"name": "ab", "count": "3", "email": "Bob@mail.com"}, False),  # not the pattern
+    ({"name": "ab", "count": "3", "extra": '{"k": 1, "j": 2}'}, False),  # closed objects
+    ({"name": "ab", "count": "3", "tags": "[1]"}, False),
+    ({"name": "ab", "count": "3", "other": "x"}, False),
+    ({"name": "", "count": "0"}, True),
+]
+
+
+@pytest.mark.parametrize("params,ok", CALLS)
+@pytest.mark.parametrize("fmt", XML_FORMATS)
+def test_grammar_types_the_values(ll_tokenizer, fmt, params, ok):
+    from router.tools import get_parser
+
+    close = get_parser(fmt).layout.value_close
+    text = xml("configure", fmt, **{k: v.format(close=close) if k == "note" else v for k, v in params.items()})
+    assert accepts(matcher(ll_tokenizer, fmt, tools=ALL_TOOLS, choice="configure"), text) == ok
     if ok:  # and the parser reads back what the grammar allowed, typed
-        (pair,) = whole(FMT, text, ALL_TOOLS).pairs
-        assert json.loads(pair[1])["count"] == int(text.split("<parameter=count>\n")[1].split("\n")[0])
+        (pair,) = whole(fmt, text, ALL_TOOLS).pairs
+        assert json.loads(pair[1])["count"] == int(params["count"])
+
+
+def test_the_grammar_writes_the_wrapper(ll_tokenizer):
+    bare = "<function=configure>\n<parameter=name>\nab\n</parameter>\n<parameter=count>\n3\n</parameter>\n</function>"
+    assert whole(FMT, bare, ALL_TOOLS).pairs == [("configure", '{"name": "ab", "count": 3}')]  # read, not written
+    assert not accepts(matcher(ll_tokenizer, FMT, tools=ALL_TOOLS, choice="configure"), bare)
 
 
 def test_grammar_text_for_one_tool():
@@ -202,8 +219,10 @@ def test_grammar_text_for_one_tool():
 
     grammar = get_parser(FMT).grammar(TOOLS, "get_weather", False)
     assert grammar.splitlines()[:2] == ["start: tool_call", "tool_call: call_0"]
-    assert 'call_0: "<tool_call>\\n<function=get_weather>\\n" p_0_0 p_0_1? "</function>\\n</tool_call>"' in grammar
-    assert 'p_0_1: "<parameter=unit>\\ncelsius\\n</parameter>\\n" | "<parameter=unit>\\nfahrenheit\\n</parameter>\\n"' in grammar
+    assert ('call_0: "<tool_call>" "\\n" "<function=" "get_weather" ">" "\\n" p_0_0 p_0_1? "</function>" "\\n" '
+            '"</tool_call>"') in grammar
+    assert 'p_0_1: "<parameter=" "unit" ">" "\\n" ("celsius" | "fahrenheit") "\\n" "</parameter>" "\\n"' in grammar
+    assert r"P_0_0: /(?s:.{0,})\n<\/parameter>\n/ & ~/(?s:.*)<\/parameter>(?s:.*)<\/parameter>(?s:.*)/" in grammar
 
 
 # -- over HTTP: forced calls from the bundled model in this format ---------------------------------
@@ -215,17 +234,19 @@ def xml_sdk(tmp_path_factory):
 
     from server import RouterProcess, llamacpp_config
 
-    router = RouterProcess(llamacpp_config("xml", extra='tool_parser = "qwen3_coder"'), tmp_path_factory.mktemp("xml"))
+    config = "".join(llamacpp_config(fmt, extra=f'tool_parser = "{fmt}"') for fmt in XML_FORMATS)
+    router = RouterProcess(config, tmp_path_factory.mktemp("xml"))
     yield openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=300)
     router.stop()
 
 
-@pytest.mark.parametrize("name", ["get_weather", "add", "send_email"])
-def test_a_forced_call_is_written_in_xml_and_read_back_typed(xml_sdk, name):
-    """SmolLM2 (whose template knows no tools: the instructions ask for this format) forced to
-    call each tool: the grammar makes it write the XML form, values typed by the schema (an
+@pytest.mark.parametrize("fmt,name", [(FMT, "get_weather"), (FMT, "add"),
+                                      *((fmt, "send_email") for fmt in XML_FORMATS)])
+def test_a_forced_call_is_written_in_xml_and_read_back_typed(xml_sdk, fmt, name):
+    """SmolLM2 (whose template knows no tools: the instructions ask for the format) forced to
+    call a tool: the grammar makes it write the format's layout, values typed by the schema (an
     integer range, an enum, a pattern, a boolean, a length), and the parser gives OpenAI's
     tool_calls, valid against the tool's schema; streamed, the same call."""
     from test_tools_e2e import assert_forced_call_streams_the_same
 
-    assert not assert_forced_call_streams_the_same(xml_sdk, "xml", name, 150).content
+    assert not assert_forced_call_streams_the_same(xml_sdk, fmt, name, 150).content

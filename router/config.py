@@ -82,7 +82,7 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
                          "openai"] | None = "hermes"
     """How a local model writes tool calls (docs/tools.md); None: the model takes no tools.
     ``openai``: gpt-oss's harmony format, read with its reasoning (router/harmony.py)."""
-    reasoning_parser: Literal["deepseek_r1", "qwen3", "mistral", "openai_gptoss"] | None = None
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "mistral", "seed_oss", "openai_gptoss"] | None = None
     """How a local thinking model marks its reasoning, sent apart as ``reasoning``
     (router/reasoning.py, router/harmony.py); None: all of the reply is content."""
     max_tokens_limit: Annotated[int, Meta(ge=1)] | None = None

@@ -23,6 +23,8 @@ Magistral releases, Ministral 3's reasoning models), reads as ``qwen3`` does wit
 ``[THINK]`` and ``[/THINK]``, control tokens in Mistral's vocabularies (``reads_control_tokens``:
 the detokenizer spells them out for it), as vLLM's ``mistral`` reasoning parser does.
 
+``seed_oss`` reads as ``qwen3`` does with ``<seed:think>`` and ``</seed:think>`` (Seed-OSS).
+
 The template's layout is not part of either field: whitespace right after ``<think>`` and
 ``</think>`` and right before ``</think>`` is dropped. A parser is one choice's state, fed text
 piece by piece, split anywhere; any split gives the same two texts as the whole at once.
@@ -187,7 +189,20 @@ class MistralParser(ReasoningParser):
     reads_control_tokens = True
 
 
-PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, MistralParser)}
+class SeedOssParser(ReasoningParser):
+    """Seed-OSS: Qwen3's reading of ``<seed:think>`` ... ``</seed:think>`` blocks (its
+    ``<seed:cot_budget_reflect>`` notes inside them are reasoning), the markers spelled out
+    should the vocabulary have them as control tokens."""
+
+    name = "seed_oss"
+    starts_thinking = False
+    open_marker, close_marker = "<seed:think>", "</seed:think>"
+    reads_control_tokens = True
+
+
+PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, MistralParser, SeedOssParser)
+}
 """Reasoning formats by the name a model's ``reasoning_parser`` gives."""
 
 

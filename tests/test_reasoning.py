@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.reasoning import PARSERS, DeepSeekR1Parser, MistralParser, Qwen3Parser, prompt_opens_thinking
+from router.reasoning import PARSERS, DeepSeekR1Parser, MistralParser, Qwen3Parser, SeedOssParser, prompt_opens_thinking
 
 
 def parse(parser_type, pieces, prompt_opens=False):
@@ -50,6 +50,12 @@ CASES = [
     (MistralParser, False, "[THINK]cut off", "cut off", ""),
     (MistralParser, False, "[THIN", None, "[THIN"),
     (MistralParser, True, "x[/THINK]y", "x", "y"),
+    (SeedOssParser, False, "<seed:think>\nLet me see.<seed:cot_budget_reflect>7 left</seed:cot_budget_reflect>\n"
+                           "</seed:think>\nParis.", "Let me see.<seed:cot_budget_reflect>7 left</seed:cot_budget_reflect>",
+     "Paris."),
+    (SeedOssParser, False, "<think>a</think>b", None, "<think>a</think>b"),  # Qwen's markers are text here
+    (SeedOssParser, False, "<seed:thi", None, "<seed:thi"),
+    (SeedOssParser, True, "x</seed:think>y", "x", "y"),
 ]
 
 
@@ -74,7 +80,8 @@ def test_any_split_gives_the_same_texts(parser_type, opens, text, reasoning, con
 
 def test_random_long_texts_split_anywhere():
     rng = random.Random(3)
-    alphabet = ["<think>", "</think>", "<", "/", "think", ">", " ", "\n", "a", "b", "[THINK]", "[/THINK]", "[", "THINK]"]
+    alphabet = ["<think>", "</think>", "<", "/", "think", ">", " ", "\n", "a", "b", "[THINK]", "[/THINK]", "[", "THINK]",
+                "<seed:think>", "</seed:think>", "seed:"]
     for _ in range(300):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 25)))
         for parser_type, opens in itertools.product(PARSERS.values(), (False, True)):

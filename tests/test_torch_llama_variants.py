@@ -7,7 +7,9 @@ with OLMo's query and key norms), and GLM-4 (rotary pairs of adjacent dimensions
 head, and with glm4 norms around each block's output too), Ministral (a window on the layers
 ``layer_types`` names) and Ministral 3 (queries scaled by position past the original context),
 also inside its image-text checkpoint (``mistral3``)), and ERNIE 4.5 (GLM's rotary pairs over
-whole heads, in float32; biases on every projection).
+whole heads, in float32; biases on every projection), EXAONE 4 (OLMo 2's output norms, per-head
+query and key norms, the full-attention layers of its hybrid models without rotary) and Seed-OSS
+(biases on q, k, v and o).
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -27,7 +29,7 @@ from test_torch_gemma import (
 from torch_models import tiny_checkpoint
 
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
-         "ernie4_5"]
+         "ernie4_5", "exaone4", "seed_oss"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,9 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # glm: 8 of 16 dimensions of each head rotating in adjacent pairs, q/k/v biases, fused gate
     # and up; glm4: the same with norms of both blocks' outputs (GLM-4's names); ministral: a
     # window of 8 on layer 0 only; ministral3: YaRN past 32 positions, queries scaled from there;
-    # ernie4_5: every dimension rotating in adjacent pairs, in float32; biases on every projection.
+    # ernie4_5: every dimension rotating in adjacent pairs, in float32; biases on every projection;
+    # exaone4: output norms only, per-head q/k norms, layer 0 sliding over 8, layer 1 without
+    # rotary; seed_oss: q, k, v and o biases.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -73,6 +77,8 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}}),
     ("glm4", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
     ("ernie4_5", {"use_bias": False}),
+    ("exaone4", {"sliding_window": None, "layer_types": ["full_attention", "full_attention"]}),
+    ("seed_oss", {"attention_out_bias": False}),
     ("ministral", {"layer_types": ["full_attention", "full_attention"]}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
@@ -95,7 +101,9 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("olmo3", "int4", "auto"), ("olmoe", "int8", "auto"), ("olmoe", "int4", "auto"),
                                          ("glm", "int8", "auto"), ("glm4", "int4", "auto"),
                                          ("ministral3", "int4", "auto"), ("ministral3", "int8", "float16"),
-                                         ("ernie4_5", "int8", "auto"), ("ernie4_5", "int4", "bfloat16")])
+                                         ("ernie4_5", "int8", "auto"), ("ernie4_5", "int4", "bfloat16"),
+                                         ("exaone4", "int8", "auto"), ("exaone4", "int4", "float16"),
+                                         ("seed_oss", "int8", "auto"), ("seed_oss", "int4", "auto")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take
@@ -224,3 +232,17 @@ def test_quantized_checkpoints_are_refused_by_their_method(model_type, quant):
     text = {"model_type": "ministral3", "quantization_config": quant}
     with pytest.raises(ModelError, match="quantization_config quant_method"):
         ModelSpec.from_hf_config(Mistral3Config(text_config=text, quantization_config=quant))
+
+
+def test_exaone4_and_seed_oss_specs():
+    # EXAONE 4.0 32B's shape: three sliding layers of every four ("LLLG" or 4), the fourth full
+    # attention without rotary; the 1.2B model, no window, rotates everywhere.
+    for pattern in ("LLLG", 4):
+        s = ModelSpec.from_hf_config(_config("exaone4", sliding_window=16, sliding_window_pattern=pattern))
+        assert [s.window_of(i) for i in range(8)] == [16, 16, 16, None] * 2 and s.nope_layers == (3, 7)
+        assert s.sandwich_norms and not s.input_norms and s.qk_norm and not s.qk_norm_whole and not s.float_norms
+    small = ModelSpec.from_hf_config(_config("exaone4", sliding_window=None, layer_types=["full_attention"] * 8))
+    assert small.sliding_window is None and small.nope_layers == ()
+    seed = ModelSpec.from_hf_config(_config("seed_oss", attention_bias=True, attention_out_bias=False))
+    assert seed.qkv_bias and not seed.o_bias
+    assert ModelSpec.from_hf_config(_config("seed_oss", attention_bias=True, attention_out_bias=True)).o_bias

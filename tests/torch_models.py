@@ -194,6 +194,15 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = MiniMaxM2Config(**{**common, "intermediate_size": 48}, head_dim=16, num_local_experts=4,
                                  num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                                                                          "partial_rotary_factor": 0.5})
+    elif arch == "exaone4":  # EXAONE 4: OLMo 2's output norms, per-head q/k norms; layer 0 slides over 8, layer 1
+        # (full attention) does not rotate
+        from transformers import Exaone4Config
+
+        config = Exaone4Config(**common, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    elif arch == "seed_oss":  # Seed-OSS: biases on q, k, v and (attention_out_bias) o
+        from transformers import SeedOssConfig
+
+        config = SeedOssConfig(**common, head_dim=16, attention_bias=True, attention_out_bias=True, pad_token_id=0)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -212,7 +221,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
-            sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm")
+            sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm", "exaone4")
             if arch in sharp and name.endswith(("q_proj.weight", "k_proj.weight")):
                 # Sharper attention, so that what shapes it shows: at 0.2, SmolLM3's rotary on a
                 # layer moves logprobs by 0.02, Granite's attention multiplier by 0.009; at 0.6 by

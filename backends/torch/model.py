@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
-Ministral and Ministral 3, ERNIE 4.5, Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral,
+Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2)
 as plain torch modules.
 
@@ -142,7 +142,7 @@ class ModelSpec:
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
-                 "ernie4_5", "ernie4_5_moe", "minimax_m2")
+                 "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4")
     IMAGE_TEXT = ("gemma3", "mistral3")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -304,13 +304,14 @@ class ModelSpec:
                 raise ModelError(f"{key} {cap} must be a positive number")
         granite = _granite_multipliers(cfg) if model_type in ("granite", "granitemoe") else {}
         olmo = model_type in ("olmo2", "olmo3")
+        exaone = model_type == "exaone4"  # OLMo 2's output norms (in the model's dtype), per-head q/k norms
         if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
             raise ModelError(f"clip_qkv {cfg.clip_qkv}: clamping queries, keys and values is not supported")
         whole_qk_norms = olmo or model_type in ("olmoe", "minimax_m2")
         if whole_qk_norms and rotary_dim is not None and model_type != "minimax_m2":
             # transformers rotates OLMo's whole heads, whatever such a key says
             raise ModelError(f"partial_rotary_factor is not supported for model_type `{model_type}`")
-        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1") or whole_qk_norms or (
+        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4") or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False)))
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
@@ -335,7 +336,8 @@ class ModelSpec:
             sliding_window=window,
             # Qwen2's and GLM's attention_bias is q, k and v's only
             o_bias=(bool(getattr(cfg, "attention_bias", False)) and not qwen2 and not glm
-                    and model_type != "glm4_moe") or use_bias,
+                    and model_type not in ("glm4_moe", "seed_oss")) or use_bias
+            or (model_type == "seed_oss" and bool(getattr(cfg, "attention_out_bias", False))),
             sliding_layers=sliding_layers,
             qk_norm=qk_norms,
             qk_norm_whole=whole_qk_norms,
@@ -347,9 +349,9 @@ class ModelSpec:
             embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier"),
             embed_scale_rounded=gemma,
             offset_norms=gemma,
-            sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo,
+            sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo or exaone,
             glm_norm_names=model_type == "glm4",
-            input_norms=not olmo,
+            input_norms=not (olmo or exaone),
             float_rotary=olmo or ernie,
             query_scale=query_scale,
             attn_softcap=softcaps["attn_logit_softcapping"],
@@ -359,11 +361,17 @@ class ModelSpec:
             scaled_max_position=model_type == "gemma3_text",
             float_norms=gemma or olmo or model_type == "gpt_oss",
             attention_sinks=model_type == "gpt_oss",
-            nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (),
+            nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (
+                _full_layers(cfg, sliding_layers) if exaone and window else ()),
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
         )
+
+
+def _full_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The layers that attend to every position: EXAONE 4's hybrid models do not rotate them."""
+    return tuple(i for i in range(cfg.num_hidden_layers) if sliding is not None and i not in sliding)
 
 
 def _nope_layers(cfg: Any) -> tuple[int, ...]:
@@ -558,19 +566,23 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     Phi-3 slide on every layer, and Qwen3-MoE does with ``use_sliding_window`` (its config drops
     the window without it); the other Qwens only with ``use_sliding_window``, dots.llm1 always, on
     the layers ``layer_types`` names (transformers >= 4.53), else from ``max_window_layers`` on; Gemma 2
-    and 3, gpt-oss, OLMo 3 and Ministral on the layers ``layer_types`` names (else every second,
-    five of every six, three of every four, or all); Ministral 3 on every layer; Llama and
-    Gemma never."""
+    and 3, gpt-oss, OLMo 3, Ministral and EXAONE 4 on the layers ``layer_types`` names (else every
+    second, five of every six, three of every four, all, or by EXAONE 4's sliding_window_pattern:
+    "LLLG" or 4); Ministral 3 on every layer; Llama and Gemma never."""
     window = getattr(cfg, "sliding_window", None)
     if model_type in ("llama", "gemma") or not window:
         return None, None
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral"):
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral", "exaone4"):
+        pattern = getattr(cfg, "sliding_window_pattern", None)
+        if types is None and model_type == "exaone4" and isinstance(pattern, str) and pattern:  # "LLLG"
+            types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                     for i in range(cfg.num_hidden_layers)]
         if types is None:  # transformers 4.x: the pattern alone (Ministral: every layer)
             pattern = {"gemma3_text": getattr(cfg, "sliding_window_pattern", 6), "olmo3": 4,
-                       "ministral": cfg.num_hidden_layers + 1}.get(model_type, 2)
+                       "ministral": cfg.num_hidden_layers + 1, "exaone4": pattern or 4}.get(model_type, 2)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg.num_hidden_layers)]
         layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
         return (int(window), layers) if layers else (None, None)

@@ -50,7 +50,8 @@ class XmlLayout:
     value_open: str  # "" where the value follows the key's closing tag
     value_close: str
     call_close: str | None  # None: the block's closing tag ends the call (GLM)
-    calls_per_block: bool = False  # several calls in one block (MiniMax-M2)
+    calls_per_block: bool = False  # several calls in one block (MiniMax-M2; Qwen3-Coder's may too)
+    strip_values: bool = False  # a value loses all whitespace at its ends (GLM, MiniMax-M2), not one line break
     bare_calls: bool = False  # a call may open without the block (Qwen3-Coder's <function= alone)
     # The template's layout: around each call (its name in {name}), each parameter, the calls.
     call_head: str = ""
@@ -91,19 +92,67 @@ class _XmlCall:
         return out
 
 
-def parameter_types(tool: dict | None) -> dict[str, Any]:
-    """Each parameter's ``type`` in the tool's schema (a name, a list of names, or None)."""
+_JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", type(None): "null", list: "array",
+               dict: "object"}
+
+
+def schema_types(schema: Any, defs: dict | None = None, depth: int = 0) -> list[str]:
+    """The JSON types a parameter's schema allows: its ``type``, those of its ``anyOf`` / ``oneOf``
+    / ``allOf`` branches and ``$ref`` targets (in ``defs``, the tool's ``$defs``), and of its
+    ``enum`` or ``const`` values; empty where it names none."""
+    if not isinstance(schema, dict) or depth > 16:
+        return []
+    out: list[str] = []
+    kind = schema.get("type")
+    out += [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")) and defs:
+        out += schema_types(defs.get(ref.rsplit("/", 1)[1]), defs, depth + 1)
+    for key in ("anyOf", "oneOf", "allOf"):
+        for branch in schema.get(key) or ():
+            out += schema_types(branch, defs, depth + 1)
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else []
+    out += [_JSON_TYPES.get(type(v), "string") for v in values]
+    return list(dict.fromkeys(out))
+
+
+def _defs(params: Any) -> dict:
+    """A tool's parameters' ``$defs`` (or ``definitions``), which its properties' ``$ref`` name."""
+    if not isinstance(params, dict):
+        return {}
+    found = params.get("$defs") or params.get("definitions")
+    return found if isinstance(found, dict) else {}
+
+
+def parameter_types(tool: dict | None) -> dict[str, list[str]]:
+    """Each parameter's JSON types in the tool's schema (:func:`schema_types`)."""
     params = ((tool or {}).get("function") or {}).get("parameters") or {}
     props = params.get("properties") if isinstance(params, dict) else None
     if not isinstance(props, dict):
         return {}
-    return {k: v.get("type") if isinstance(v, dict) else None for k, v in props.items()}
+    defs = _defs(params)
+    return {k: schema_types(v, defs) for k, v in props.items()}
 
 
-def convert_value(text: str, kind: Any, known: bool = True) -> Any:
-    """A parameter's text as the JSON value its schema type makes of it (see the module's text)."""
-    kinds = [k for k in (kind if isinstance(kind, list) else [kind]) if isinstance(k, str)]
-    if not known or "string" in kinds:
+def _finite(text: str) -> Any:
+    """``text`` as JSON, refusing NaN and the infinities (which are no JSON)."""
+    def refuse(token: str) -> Any:
+        raise ValueError(token)
+
+    def number(token: str) -> float:
+        value = float(token)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(token)
+        return value
+
+    return json.loads(text, parse_constant=refuse, parse_float=number)
+
+
+def convert_value(text: str, kinds: list[str] | None, known: bool = True) -> Any:
+    """A parameter's text as the JSON value its schema's types make of it (see the module's
+    text): the text itself where a string is allowed, or the schema names no type."""
+    kinds = kinds or []
+    if not known or not kinds or "string" in kinds:
         if "null" in kinds and text.strip().lower() == "null":
             return None
         return text
@@ -117,16 +166,16 @@ def convert_value(text: str, kind: Any, known: bool = True) -> Any:
                 continue
         if k == "number":
             try:
-                value = json.loads(text.strip())
+                value = _finite(text.strip())
             except ValueError:
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return value
         if k == "boolean" and text.strip().lower() in ("true", "false"):
             return text.strip().lower() == "true"
-    if not kinds or any(k in ("object", "array") for k in kinds):
+    if any(k in ("object", "array") for k in kinds):
         try:
-            return json.loads(text)
+            return _finite(text)
         except ValueError:
             pass
     return text
@@ -144,6 +193,8 @@ class XmlCallParser(ToolParser):
         self._types: dict[str, Any] = {}
         self._param = ""
         self._in_block = False  # the call opened inside a block (so the block's closing tag may follow)
+        self._dangling = False  # a block left for content without its closing tag, which is still markup
+        self._searched = 0  # how far the value being read was searched for its closing tag
 
     def _feed(self, final: bool) -> None:
         self._read(final)
@@ -155,18 +206,25 @@ class XmlCallParser(ToolParser):
         while self._buf:
             state = self._state
             if state == _CONTENT:
-                openers = (lay.block_open, lay.call_open) if lay.bare_calls else lay.block_open
-                text, used, found = split_content(self._buf, openers, final)
+                openers = (lay.block_open, lay.call_open) if lay.bare_calls else (lay.block_open,)
+                text, used, found = split_content(self._buf, openers + (lay.block_close,) * self._dangling, final)
                 self._content(text, before_markup=found)
                 marker = self._buf[len(text):used]
                 self._buf = self._buf[used:]
                 if not found:
                     return
+                if marker == lay.block_close:  # the closing tag of a block whose calls ended before it
+                    self._dangling = False
+                    self._end_markup()
+                    continue
                 self._in_block = marker == lay.block_open
                 self._state = _BLOCK if self._in_block else _NAME
             elif state == _BLOCK:  # inside a block: a call, or (between calls) the block's end
                 if not lay.call_open:
-                    self._buf, self._state = self._buf.lstrip(), _NAME
+                    self._buf = self._buf.lstrip()
+                    if not self._buf and not final:
+                        return  # the name comes after the layout
+                    self._state = _NAME
                     continue
                 if not self._expect((lay.call_open, _NAME), (lay.block_close, _CONTENT), final=final):
                     return
@@ -193,26 +251,43 @@ class XmlCallParser(ToolParser):
                 if not self._expect((lay.value_open, _VALUE), final=final):
                     return
             elif state == _VALUE:
-                at = self._buf.find(lay.value_close)
+                at = self._buf.find(lay.value_close, self._searched)
                 if at < 0:
+                    self._searched = max(0, len(self._buf) - len(lay.value_close) + 1)  # a long value: not again
                     if final:  # cut off inside the value: the parameter is lost, the others kept
                         self._buf = ""
                     return
+                self._searched = 0
                 value = self._buf[:at]
-                value = value[1:] if value.startswith("\n") else value
-                value = value[:-1] if value.endswith("\n") else value
+                if lay.strip_values:
+                    value = value.strip()
+                else:
+                    value = value[1:] if value.startswith("\n") else value
+                    value = value[:-1] if value.endswith("\n") else value
                 self._buf = self._buf[at + len(lay.value_close):]
                 assert self._call is not None
                 self._call.add(self._param, convert_value(value, self._types.get(self._param), self._param in self._types))
                 self._drain(self._call)
                 self._state = _BODY
-            elif state == _AFTER_CALL:  # the block's end, or (MiniMax-M2) the next call in it
-                if not self._in_block:
-                    self._go(_CONTENT)
-                    continue
-                nexts = ((lay.call_open, _NAME),) if lay.calls_per_block else ()
-                if not self._expect((lay.block_close, _CONTENT), *nexts, final=final, otherwise=_CONTENT):
+            elif state == _AFTER_CALL:  # the block's end (a bare call's too), or the next call in it
+                nexts = (lay.block_close, lay.call_open) if lay.calls_per_block else (lay.block_close,)
+                rest = self._buf.lstrip()
+                found = next((m for m in nexts if rest.startswith(m)), None)
+                partial = found is None and any(m.startswith(rest) for m in nexts)
+                if partial and not final:
+                    self._buf = rest  # maybe a marker
                     return
+                if found is not None:
+                    self._buf = rest[len(found):]
+                    self._state = _NAME if found == lay.call_open else _CONTENT
+                    if found == lay.block_close:
+                        self._end_markup()
+                    continue
+                # Content after the call: the model left out the block's closing tag, which
+                # (should it come later) is still markup; or a bare call ended.
+                self._buf = "" if partial else rest
+                self._dangling = self._in_block
+                self._go(_CONTENT)
             else:  # _SKIP: the block broke off; drop the rest of it
                 closers = (lay.block_close,) if self._in_block else tuple(m for m in (lay.call_close, lay.block_close) if m)
                 ends = [(at, m) for m in closers if (at := self._buf.find(m)) >= 0]
@@ -302,7 +377,7 @@ class XmlCallParser(ToolParser):
         # its order (the required ones always, the others optional), values typed by it.
         # Markers are written as the control tokens they may be (``control``); a string value's
         # terminal runs up to the first of them after it.
-        write = _Writer(cls.layout, control)
+        write = _Writer(cls.layout, control, cls.name)
         lay = cls.layout
         chosen = chosen_tools(tools, choice)
         calls = repeated("tool_call", lay.separator, parallel) if lay.separator or not parallel else "tool_call+"
@@ -322,7 +397,7 @@ class Qwen3CoderParser(XmlCallParser):
     layout = XmlLayout(
         block_open="<tool_call>", block_close="</tool_call>", call_open="<function=", name_ends=((">", True),),
         key_open="<parameter=", key_close=">", value_open="", value_close="</parameter>", call_close="</function>",
-        bare_calls=True, call_head="<tool_call>\n<function={name}>\n", call_tail="</function>\n</tool_call>",
+        bare_calls=True, calls_per_block=True, call_head="<tool_call>\n<function={name}>\n", call_tail="</function>\n</tool_call>",
         param_head="<parameter={key}>\n", param_tail="\n</parameter>\n",
     )
 
@@ -336,7 +411,7 @@ class SeedOssParser(XmlCallParser):
     layout = XmlLayout(
         block_open="<seed:tool_call>", block_close="</seed:tool_call>", call_open="<function=",
         name_ends=((">", True),), key_open="<parameter=", key_close=">", value_open="", value_close="</parameter>",
-        call_close="</function>", call_head="<seed:tool_call>\n<function={name}>\n",
+        call_close="</function>", calls_per_block=True, call_head="<seed:tool_call>\n<function={name}>\n",
         call_tail="</function>\n</seed:tool_call>", param_head="<parameter={key}>", param_tail="</parameter>\n",
     )
 
@@ -350,7 +425,7 @@ class Glm45Parser(XmlCallParser):
     layout = XmlLayout(
         block_open="<tool_call>", block_close="</tool_call>", call_open="",
         name_ends=(("\n", True), ("<arg_key>", False), ("</tool_call>", False)), key_open="<arg_key>",
-        key_close="</arg_key>", value_open="<arg_value>", value_close="</arg_value>", call_close=None,
+        key_close="</arg_key>", value_open="<arg_value>", value_close="</arg_value>", call_close=None, strip_values=True,
         call_head="<tool_call>{name}\n", call_tail="</tool_call>",
         param_head="<arg_key>{key}</arg_key>\n<arg_value>", param_tail="</arg_value>\n",
     )
@@ -365,7 +440,7 @@ class MiniMaxM2Parser(XmlCallParser):
     layout = XmlLayout(
         block_open="<minimax:tool_call>", block_close="</minimax:tool_call>", call_open='<invoke name="',
         name_ends=(('">', True),), key_open='<parameter name="', key_close='">', value_open="",
-        value_close="</parameter>", call_close="</invoke>", calls_per_block=True,
+        value_close="</parameter>", call_close="</invoke>", calls_per_block=True, strip_values=True,
         call_head='<invoke name="{name}">\n', call_tail="</invoke>\n", param_head='<parameter name="{key}">',
         param_tail="</parameter>\n", block_head="<minimax:tool_call>\n", block_tail="</minimax:tool_call>", separator="",
     )
@@ -375,8 +450,8 @@ class _Writer:
     """A layout's text as grammar items: its markers through ``control`` (the control token a
     marker may be), the rest quoted."""
 
-    def __init__(self, layout: XmlLayout, control: Callable[[str], str] | None) -> None:
-        self.layout = layout
+    def __init__(self, layout: XmlLayout, control: Callable[[str], str] | None, format: str) -> None:
+        self.layout, self.format = layout, format
         self.control = control or lark_literal
         markers = {layout.block_open, layout.block_close, layout.call_open, layout.call_close, layout.key_open,
                    layout.key_close, layout.value_open, layout.value_close}
@@ -404,53 +479,125 @@ class _Writer:
 
 
 def _parameters_rule(tool: dict, i: int, write: _Writer, lines: list[str]) -> str:
-    """The parameters of tool ``i`` as a sequence of rules appended to ``lines``; its reference."""
+    """The parameters of tool ``i`` as a sequence of rules appended to ``lines``; its reference.
+    ValueError for a schema the format cannot write: a name holding its markup, a required
+    parameter that is not among the properties."""
     lay = write.layout
+    name = tool["function"]["name"]
+    if any(c in name for c in "<>\n\"") or any(m in name for m, _ in lay.name_ends):
+        raise ValueError(f"The tool name `{name}` cannot be written in the {write.format} format.")
     params = tool["function"].get("parameters") or {}
     props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-    required = set(params.get("required") or ())
+    required = [k for k in params.get("required") or () if isinstance(k, str)]
+    missing = [k for k in required if k not in props]
+    if missing:
+        raise ValueError(f"The tool `{name}` requires `{missing[0]}`, which its parameters' properties do not list.")
+    defs = _defs(params)
     parts = []
     for j, (key, schema) in enumerate(props.items()):
+        if not key or any(c in key for c in "<>\n\"") or key != key.strip():
+            raise ValueError(f"The parameter name `{key}` of `{name}` cannot be written in the {write.format} format.")
         rule = f"p_{i}_{j}"
         element = _parameter(write, lay.param_head.format(key=key), lay.param_tail,
-                             schema if isinstance(schema, dict) else {}, f"P_{i}_{j}", lines)
+                             schema if isinstance(schema, dict) else {}, defs, f"P_{i}_{j}", lines)
         lines.append(f"{rule}: {element}")
         parts.append(rule if key in required else f"{rule}?")
     return "".join(p + " " for p in parts)
 
 
-def _parameter(write: _Writer, opening: str, closing: str, schema: dict, terminal: str, lines: list[str]) -> str:
-    """One parameter's element: ``opening``, its value, ``closing``. A string (a type naming
-    "string") is its text: a terminal of its own, of the schema's ``minLength`` to ``maxLength``
-    characters, matching its ``pattern`` (``format`` is not checked), holding no closing tag of
-    a value, and taking ``closing``'s text up to its first control token with it (so that the
-    lexer's longest match ends the value where the tag begins); an enum of strings one of them;
-    any other value JSON valid against the parameter's schema (%json: an integer's range, say),
-    as the parser reads them back."""
-    kind = schema.get("type")
-    enum = schema.get("enum")
-    head = write.items(opening)
-    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return f"{head}({' | '.join(lark_literal(v) for v in enum)}){write.items(closing, before=True)}"
-    if kind != "string" and not (isinstance(kind, list) and "string" in kind):
-        return f"{head}%json {json.dumps(closed_schema(schema))}{write.items(closing, before=True)}"
+LONGEST_CHECKED = 1000
+"""A string's ``minLength`` and ``maxLength`` above this are not checked: llguidance's matcher
+runs out of fuel on counted repetitions much longer."""
+
+
+def _parameter(write: _Writer, opening: str, closing: str, schema: dict, defs: dict, terminal: str,
+               lines: list[str]) -> str:
+    """One parameter's element: ``opening``, its value, ``closing``, typed as the parser reads it
+    back (:func:`schema_types`). An enum's or a const's values are the only texts (a string as
+    it is, the others as JSON). A string (or a schema naming no type) is its text: a terminal of
+    its own, of the schema's ``minLength`` to ``maxLength`` characters, matching its ``pattern``
+    where llguidance's regexes can (``format`` is not checked), holding no closing tag of a
+    value nor (where the parser strips them) whitespace or line breaks at its ends, and taking
+    ``closing``'s text up to its first control token with it (so that the lexer's longest match
+    ends the value where the tag begins). Any other value: JSON valid against the parameter's
+    schema (%json: an integer's range, say; the tool's ``$defs`` with it)."""
+    head, tail_items = write.items(opening), write.items(closing, before=True)
+    schema = _resolved(schema, defs)
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    if values:
+        texts = dict.fromkeys(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in values)
+        return f"{head}({' | '.join(lark_literal(t) for t in texts)}){tail_items}"
+    kinds = schema_types(schema, defs)
+    if kinds and "string" not in kinds:
+        with_defs = {**schema, "$defs": defs} if defs and "$defs" not in schema else schema
+        return f"{head}%json {json.dumps(closed_schema(with_defs))}{tail_items}"
     pieces = write.pieces(closing)
     text_end = next((n for n, (_, special) in enumerate(pieces) if special), len(pieces))
     tail = _regex_literal("".join(p for p, _ in pieces[:text_end]))
     rest = " ".join(write.control(p) if special else lark_literal(p) for p, special in pieces[text_end:])
     close = _regex_literal(write.layout.value_close)
-    low, high = schema.get("minLength"), schema.get("maxLength")
-    length = f"{{{int(low) if isinstance(low, int) else 0},{int(high) if isinstance(high, int) else ''}}}"
+    low, high = (v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= LONGEST_CHECKED else None
+                 for v in (schema.get("minLength"), schema.get("maxLength")))
+    length = f"{{{low or 0},{'' if high is None else high}}}"
     # Any text of that length, then the closing text: the value's closing tag only there.
     value = f"/(?s:.{length}){tail}/ & ~/(?s:.*){close}(?s:.*){close}(?s:.*)/" if tail else (
         f"/(?s:.{length})/ & ~/(?s:.*){close}(?s:.*)/")
-    pattern = schema.get("pattern")
-    if isinstance(pattern, str):
-        anchored = pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")
-        inner = pattern[1:-1] if anchored else f"(?s:.*)(?:{pattern})(?s:.*)"
-        value += f" & /(?:{inner.replace('/', chr(92) + '/')}){tail}/"
+    # (Whitespace the parser strips off a value's ends, GLM's and MiniMax-M2's, or the line break
+    # Seed-OSS's loses, is not kept out here: one more intersection puts llguidance's lexer past
+    # its limit on the schemas of real tools. A value written so comes back without it.)
+    pattern = _pattern_regex(schema.get("pattern"))
+    if pattern is not None:
+        value += f" & /{pattern}{tail}/"
     lines.append(f"{terminal}: {value}")
     return f"{head}{terminal}{' ' + rest if rest else ''}"
+
+
+def _resolved(schema: dict, defs: dict) -> dict:
+    """``schema`` with a ``$ref`` to the tool's ``$defs`` replaced by what it names (its own other
+    keys kept)."""
+    for _ in range(16):
+        ref = schema.get("$ref")
+        target = defs.get(ref.rsplit("/", 1)[1]) if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")) else None
+        if not isinstance(target, dict):
+            return schema
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
+def _pattern_regex(pattern: Any) -> str | None:
+    """A JSON schema ``pattern`` (a search, anchored where it says ^ or $ at its ends) as a
+    whole-text regex inside Lark's ``/.../``; None where it is none, or holds anchors elsewhere
+    (``^a$|^b$``), which llguidance's regexes do not take (the pattern is then not checked)."""
+    if not isinstance(pattern, str):
+        return None
+    inner, start, end = pattern, pattern.startswith("^"), False
+    if start:
+        inner = inner[1:]
+    if inner.endswith("$") and not _escaped(inner, len(inner) - 1):
+        inner, end = inner[:-1], True
+    if any(c in "^$" and not _escaped(inner, n) and not _in_class(inner, n) for n, c in enumerate(inner)):
+        return None
+    inner = "".join("\\/" if c == "/" and not _escaped(inner, n) else c for n, c in enumerate(inner))
+    return f"{'' if start else '(?s:.*)'}(?:{inner}){'' if end else '(?s:.*)'}"
+
+
+def _escaped(text: str, at: int) -> bool:
+    """Whether the character at ``at`` follows an odd number of backslashes."""
+    n = at
+    while n > 0 and text[n - 1] == "\\":
+        n -= 1
+    return (at - n) % 2 == 1
+
+
+def _in_class(text: str, at: int) -> bool:
+    """Whether ``at`` is inside a bracketed character class (``[^a]``'s ``^``)."""
+    depth = False
+    for n, c in enumerate(text[:at]):
+        if c == "[" and not _escaped(text, n):
+            depth = True
+        elif c == "]" and depth and not _escaped(text, n):
+            depth = False
+    return depth
 
 
 def _regex_literal(text: str) -> str:

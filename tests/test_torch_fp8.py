@@ -14,8 +14,8 @@ import torch
 
 from backends.torch.model import ModelError, ModelSpec
 from backends.torch.weights import dequantize_fp8
-from test_torch_engine import assert_greedy_matches_transformers, engine_for, random_prompts, run
-from test_torch_gemma import distance, hf_prompt_logprobs, prompt_logprobs
+from test_torch_engine import assert_greedy_matches_transformers
+from test_torch_gemma import distance, engine_prompt_logprobs, hf_prompt_logprobs
 from torch_models import tiny_checkpoint
 
 E4M3_MAX = 448.0
@@ -77,12 +77,7 @@ def test_greedy_matches_transformers_on_the_fp8_files(checkpoints, arch):
 @pytest.mark.parametrize("arch", sorted(CASES))
 def test_prompt_logprobs_match_transformers_on_the_fp8_files(checkpoints, arch):
     folder = checkpoints[arch]
-    prompt = random_prompts(7, (60,))[0]
-    engine = engine_for(folder, block_size=4, max_batched_tokens=16)
-    try:
-        got = run(prompt_logprobs(engine, prompt))
-    finally:
-        run(engine.stop())
+    prompt, got = engine_prompt_logprobs(folder)
     # Measured about 1e-6: the same float32 products; far from the unquantized model's.
     assert distance(got, hf_prompt_logprobs(folder, prompt)) < 1e-4
     assert distance(got, hf_prompt_logprobs(folder.with_name(arch), prompt)) > 1e-3
@@ -174,12 +169,7 @@ def test_a_ministral3_image_text_release_in_fp8(tmp_path):
     from transformers import AutoModelForImageTextToText
 
     folder = fp8_checkpoint(tiny_checkpoint(tmp_path / "mm", "mistral3-mm"), tmp_path / "mm-fp8", None)
-    prompt = random_prompts(7, (60,))[0]
-    engine = engine_for(folder, block_size=4, max_batched_tokens=16)
-    try:
-        got = run(prompt_logprobs(engine, prompt))
-    finally:
-        run(engine.stop())
+    prompt, got = engine_prompt_logprobs(folder)
     model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
         lp = model(input_ids=torch.tensor([prompt])).logits[0].double().log_softmax(-1)

@@ -41,15 +41,20 @@ async def prompt_logprobs(engine, prompt):
         return [entry.logprob for entry in step.prompt_logprobs]
 
 
-def assert_prompt_logprobs_match_transformers(folder, dtype, within):
-    """A 60-token prompt's logprobs (in 16-token steps over blocks of 4, in ``dtype``) within
-    ``within`` of transformers' forward pass in that dtype."""
+def engine_prompt_logprobs(folder, dtype=torch.float32):
+    """A 60-token prompt and the engine's logprobs of it (16-token steps over blocks of 4, in
+    ``dtype``)."""
     prompt = random_prompts(7, (60,))[0]
     engine = engine_for(folder, block_size=4, max_batched_tokens=16, dtype=str(dtype).removeprefix("torch."))
     try:
-        got = run(prompt_logprobs(engine, prompt))
+        return prompt, run(prompt_logprobs(engine, prompt))
     finally:
         run(engine.stop())
+
+
+def assert_prompt_logprobs_match_transformers(folder, dtype, within):
+    """:func:`engine_prompt_logprobs` within ``within`` of transformers' forward pass in ``dtype``."""
+    prompt, got = engine_prompt_logprobs(folder, dtype)
     assert distance(got, hf_prompt_logprobs(folder, prompt, dtype)) < within
 
 

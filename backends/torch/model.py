@@ -291,7 +291,6 @@ class ModelSpec:
                     if not isinstance(got, (list, tuple)) or len(got) != pairs:
                         raise ModelError(f"rope scaling `longrope` needs `{key}`: a list of {pairs} numbers, one per rotated pair")
         window, sliding_layers = _sliding_window(cfg, model_type)
-        qwen2 = model_type in ("qwen2", "qwen2_moe")
         glm = model_type in ("glm", "glm4")
         ernie = model_type in ("ernie4_5", "ernie4_5_moe")
         use_bias = ernie and bool(getattr(cfg, "use_bias", False))  # ERNIE's one switch for every projection
@@ -334,10 +333,7 @@ class ModelSpec:
             or (model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)) or use_bias,
             sliding_window=window,
-            # Qwen2's and GLM's attention_bias is q, k and v's only
-            o_bias=(bool(getattr(cfg, "attention_bias", False)) and not qwen2 and not glm
-                    and model_type not in ("glm4_moe", "seed_oss")) or use_bias
-            or (model_type == "seed_oss" and bool(getattr(cfg, "attention_out_bias", False))),
+            o_bias=_o_bias(cfg, model_type, use_bias),
             sliding_layers=sliding_layers,
             qk_norm=qk_norms,
             qk_norm_whole=whole_qk_norms,
@@ -367,6 +363,19 @@ class ModelSpec:
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
         )
+
+
+def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
+    """Whether o_proj has a bias: Llama's and Mistral's ``attention_bias`` puts one there too;
+    Qwen2's, GLM's and GLM-4.5's ``attention_bias`` is q, k and v's only, and Seed-OSS's (its
+    ``attention_out_bias`` is o's); ERNIE's ``use_bias`` is every projection's."""
+    if model_type in ("ernie4_5", "ernie4_5_moe"):
+        return use_bias
+    if model_type == "seed_oss":
+        return bool(getattr(cfg, "attention_out_bias", False))
+    if model_type in ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe"):
+        return False
+    return bool(getattr(cfg, "attention_bias", False))
 
 
 def _full_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:

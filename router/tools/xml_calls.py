@@ -226,14 +226,14 @@ class XmlCallParser(ToolParser):
                         return  # the name comes after the layout
                     self._state = _NAME
                     continue
-                if not self._expect((lay.call_open, _NAME), (lay.block_close, _CONTENT), final=final):
+                if self._expect((lay.call_open, _NAME), (lay.block_close, _CONTENT), final=final) is None:
                     return
             elif state == _NAME:
                 if not self._read_name(final):
                     return
             elif state == _BODY:  # between parameters: a parameter or the call's end
                 end = (lay.call_close, _AFTER_CALL) if lay.call_close else (lay.block_close, _CONTENT)
-                if not self._expect((lay.key_open, _KEY), end, final=final):
+                if self._expect((lay.key_open, _KEY), end, final=final) is None:
                     return
             elif state == _KEY:
                 at = self._buf.find(lay.key_close)
@@ -248,7 +248,7 @@ class XmlCallParser(ToolParser):
                 self._param, self._buf = key, self._buf[at + len(lay.key_close):]
                 self._state = _VALUE_OPEN if lay.value_open else _VALUE
             elif state == _VALUE_OPEN:
-                if not self._expect((lay.value_open, _VALUE), final=final):
+                if self._expect((lay.value_open, _VALUE), final=final) is None:
                     return
             elif state == _VALUE:
                 at = self._buf.find(lay.value_close, self._searched)
@@ -270,24 +270,13 @@ class XmlCallParser(ToolParser):
                 self._drain(self._call)
                 self._state = _BODY
             elif state == _AFTER_CALL:  # the block's end (a bare call's too), or the next call in it
-                nexts = (lay.block_close, lay.call_open) if lay.calls_per_block else (lay.block_close,)
-                rest = self._buf.lstrip()
-                found = next((m for m in nexts if rest.startswith(m)), None)
-                partial = found is None and any(m.startswith(rest) for m in nexts)
-                if partial and not final:
-                    self._buf = rest  # maybe a marker
+                nexts = ((lay.call_open, _NAME),) if lay.calls_per_block else ()
+                found = self._expect((lay.block_close, _CONTENT), *nexts, final=final, otherwise=_CONTENT)
+                if found is None:
                     return
-                if found is not None:
-                    self._buf = rest[len(found):]
-                    self._state = _NAME if found == lay.call_open else _CONTENT
-                    if found == lay.block_close:
-                        self._end_markup()
-                    continue
-                # Content after the call: the model left out the block's closing tag, which
-                # (should it come later) is still markup; or a bare call ended.
-                self._buf = "" if partial else rest
-                self._dangling = self._in_block
-                self._go(_CONTENT)
+                # Content after the call without the block's closing tag: that tag, should it
+                # come later, is still markup (a bare call has none).
+                self._dangling = self._in_block and not found
             else:  # _SKIP: the block broke off; drop the rest of it
                 closers = (lay.block_close,) if self._in_block else tuple(m for m in (lay.call_close, lay.block_close) if m)
                 ends = [(at, m) for m in closers if (at := self._buf.find(m)) >= 0]
@@ -299,24 +288,24 @@ class XmlCallParser(ToolParser):
                 self._buf = self._buf[at + len(marker):]
                 self._go(_CONTENT)
 
-    def _expect(self, *options: tuple[str, int], final: bool, otherwise: int = _SKIP) -> bool:
+    def _expect(self, *options: tuple[str, int], final: bool, otherwise: int = _SKIP) -> str | None:
         """After layout whitespace, one of ``options`` (a marker and the state it leads to;
-        leaving for after the call or for content ends the call). False: wait for more text.
-        Anything else ends the call and goes ``otherwise``: _SKIP (malformed: the rest of the
-        block is dropped) or _CONTENT (a block whose closing tag the model left out)."""
+        leaving for after the call or for content ends the call): the marker found. None: wait
+        for more text. Anything else ends the call and goes ``otherwise`` (""): _SKIP
+        (malformed: the rest of the block is dropped) or _CONTENT (text after a call)."""
         rest = self._buf.lstrip()
         for marker, state in options:
             if rest.startswith(marker):
                 self._buf = rest[len(marker):]
                 self._go(state)
-                return True
+                return marker
         partial = any(marker.startswith(rest) for marker, _ in options)
         if partial and not final:
             self._buf = rest  # maybe a marker
-            return False
+            return None
         self._buf = "" if partial else rest  # cut off at the end: still markup
         self._go(otherwise)
-        return True
+        return ""
 
     def _go(self, state: int) -> None:
         if state in (_AFTER_CALL, _CONTENT, _SKIP):

@@ -52,7 +52,7 @@ def test_buckets():
 
 @pytest.mark.parametrize(
     "arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen3", "phi3-longrope", "gemma2", "gemma3",
-            "smollm3", "granite", "olmo2", "olmo3", "glm4", "ministral3", "ernie4_5", "exaone4"]
+            "smollm3", "granite", "olmo2", "olmo3", "glm4", "ministral3", "ernie4_5", "exaone4", "granite4"]
 )
 def test_static_decode_matches_transformers_in_a_padded_batch(tmp_path, arch):
     # 5 sequences (padded to 8 rows), contexts from 5 to 60 tokens in blocks of 4 (buckets of

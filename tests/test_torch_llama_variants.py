@@ -8,8 +8,8 @@ head, and with glm4 norms around each block's output too), Ministral (a window o
 ``layer_types`` names) and Ministral 3 (queries scaled by position past the original context),
 also inside its image-text checkpoint (``mistral3``)), and ERNIE 4.5 (GLM's rotary pairs over
 whole heads, in float32; biases on every projection), EXAONE 4 (OLMo 2's output norms, per-head
-query and key norms, the full-attention layers of its hybrid models without rotary) and Seed-OSS
-(biases on q, k, v and o).
+query and key norms, the full-attention layers of its hybrid models without rotary), Seed-OSS
+(biases on q, k, v and o), and Granite-MoE with a shared MLP and Granite 4's attention-only models.
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -29,7 +29,7 @@ from test_torch_gemma import (
 from torch_models import tiny_checkpoint
 
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
-         "ernie4_5", "exaone4", "seed_oss"]
+         "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,9 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # window of 8 on layer 0 only; ministral3: YaRN past 32 positions, queries scaled from there;
     # ernie4_5: every dimension rotating in adjacent pairs, in float32; biases on every projection;
     # exaone4: output norms only, per-head q/k norms, layer 0 sliding over 8, layer 1 without
-    # rotary; seed_oss: q, k, v and o biases.
+    # rotary; seed_oss: q, k, v and o biases; granitemoeshared: Granite-MoE and a shared MLP added
+    # ungated; granite4: Granite 4's dense attention-only shape (its shared MLP as the MLP);
+    # granite4-moe: experts and the shared MLP, no rotary anywhere.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -79,6 +81,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("ernie4_5", {"use_bias": False}),
     ("exaone4", {"sliding_window": None, "layer_types": ["full_attention", "full_attention"]}),
     ("seed_oss", {"attention_out_bias": False}),
+    ("granite4-moe", {"position_embedding_type": "rope"}),
     ("ministral", {"layer_types": ["full_attention", "full_attention"]}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
@@ -103,7 +106,9 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("ministral3", "int4", "auto"), ("ministral3", "int8", "float16"),
                                          ("ernie4_5", "int8", "auto"), ("ernie4_5", "int4", "bfloat16"),
                                          ("exaone4", "int8", "auto"), ("exaone4", "int4", "float16"),
-                                         ("seed_oss", "int8", "auto"), ("seed_oss", "int4", "auto")])
+                                         ("seed_oss", "int8", "auto"), ("seed_oss", "int4", "auto"),
+                                         ("granitemoeshared", "int8", "auto"), ("granite4", "int4", "auto"),
+                                         ("granite4-moe", "int8", "bfloat16")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take
@@ -246,3 +251,21 @@ def test_exaone4_and_seed_oss_specs():
     seed = ModelSpec.from_hf_config(_config("seed_oss", attention_bias=True, attention_out_bias=False))
     assert seed.qkv_bias and not seed.o_bias
     assert ModelSpec.from_hf_config(_config("seed_oss", attention_bias=True, attention_out_bias=True)).o_bias
+
+
+def test_granite4_specs_and_its_hybrid_models_refused():
+    dense = ModelSpec.from_hf_config(_config("granitemoehybrid", num_local_experts=0, shared_intermediate_size=96,
+                                             layer_types=["attention"] * 8, position_embedding_type="rope",
+                                             attention_multiplier=0.015625))
+    assert not dense.is_moe and dense.intermediate_size == 96 and dense.nope_layers == ()
+    moe = ModelSpec.from_hf_config(_config("granitemoehybrid", num_local_experts=8, num_experts_per_tok=2,
+                                           shared_intermediate_size=96, layer_types=["attention"] * 8,
+                                           position_embedding_type=None))
+    assert moe.is_moe and moe.shared_expert_size == 96 and not moe.shared_expert_gated and moe.softmax_top_k
+    assert moe.nope_layers == tuple(range(8))
+    with pytest.raises(ModelError, match="layer 0 is a `mamba` layer: Granite 4's hybrid .Mamba. models are not supported"):
+        ModelSpec.from_hf_config(_config("granitemoehybrid", num_local_experts=0, shared_intermediate_size=96,
+                                         layer_types=["mamba", "attention"] * 4))
+    shared = ModelSpec.from_hf_config(_config("granitemoeshared", num_local_experts=4, num_experts_per_tok=2,
+                                              shared_intermediate_size=0))
+    assert shared.is_moe and shared.shared_expert_size == 0

@@ -203,6 +203,22 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         from transformers import SeedOssConfig
 
         config = SeedOssConfig(**common, head_dim=16, attention_bias=True, attention_out_bias=True, pad_token_id=0)
+    elif arch == "granitemoeshared":  # Granite-MoE with a shared MLP added ungated
+        from transformers import GraniteMoeSharedConfig
+
+        config = GraniteMoeSharedConfig(**{**common, "intermediate_size": 48}, pad_token_id=0, num_local_experts=4,
+                                        num_experts_per_tok=2, shared_intermediate_size=40, embedding_multiplier=2.0,
+                                        attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=1.5)
+    elif arch in ("granite4", "granite4-moe"):  # Granite 4's attention-only models: dense (its shared MLP alone,
+        # with rotary) or experts plus the shared MLP, no rotary (position_embedding_type None)
+        from transformers import GraniteMoeHybridConfig
+
+        moe = arch == "granite4-moe"
+        config = GraniteMoeHybridConfig(**{**common, "intermediate_size": 48}, pad_token_id=0,
+                                        num_local_experts=4 if moe else 0, num_experts_per_tok=2,
+                                        shared_intermediate_size=40, embedding_multiplier=2.0, attention_multiplier=0.1,
+                                        residual_multiplier=0.5, logits_scaling=1.5, layer_types=["attention"] * 2,
+                                        position_embedding_type=None if moe else "rope")
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -221,7 +237,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
-            sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm", "exaone4")
+            sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm", "exaone4",
+                     "granitemoeshared", "granite4", "granite4-moe")
             if arch in sharp and name.endswith(("q_proj.weight", "k_proj.weight")):
                 # Sharper attention, so that what shapes it shows: at 0.2, SmolLM3's rotary on a
                 # layer moves logprobs by 0.02, Granite's attention multiplier by 0.009; at 0.6 by

@@ -35,7 +35,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .moe import SparseMoE
-from .weights import WeightReader, load_mlp
+from .weights import WeightReader, load_fused_mlp, load_mlp
 
 
 class ModelError(ValueError):
@@ -142,7 +142,8 @@ class ModelSpec:
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
-                 "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4")
+                 "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
+                 "granitemoehybrid")
     IMAGE_TEXT = ("gemma3", "mistral3")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -301,7 +302,10 @@ class ModelSpec:
         for key, cap in softcaps.items():
             if cap is not None and not cap > 0:
                 raise ModelError(f"{key} {cap} must be a positive number")
-        granite = _granite_multipliers(cfg) if model_type in ("granite", "granitemoe") else {}
+        granite = _granite_multipliers(cfg) if model_type in GRANITES else {}
+        granite4 = model_type == "granitemoehybrid"
+        if granite4:
+            _check_granite4_layers(cfg)
         olmo = model_type in ("olmo2", "olmo3")
         exaone = model_type == "exaone4"  # OLMo 2's output norms (in the model's dtype), per-head q/k norms
         if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
@@ -318,7 +322,9 @@ class ModelSpec:
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
+            # Granite 4's dense models: the shared MLP alone
+            intermediate_size=cfg.shared_intermediate_size if granite4 and not cfg.num_local_experts
+            else cfg.intermediate_size,
             num_layers=cfg.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
@@ -358,7 +364,9 @@ class ModelSpec:
             float_norms=gemma or olmo or model_type == "gpt_oss",
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (
-                _full_layers(cfg, sliding_layers) if exaone and window else ()),
+                _full_layers(cfg, sliding_layers) if exaone and window else ()) or (
+                tuple(range(cfg.num_hidden_layers)) if granite4 and getattr(cfg, "position_embedding_type", None) != "rope"
+                else ()),
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
@@ -395,6 +403,22 @@ def _nope_layers(cfg: Any) -> tuple[int, ...]:
             f"no_rope_layers has {len(flags)} entries; it needs one for each of the {cfg.num_hidden_layers} layers"
         )
     return tuple(i for i, rotates in enumerate(flags) if not rotates)
+
+
+GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
+"""Granite's model types, which read its four multipliers."""
+
+
+def _check_granite4_layers(cfg: Any) -> None:
+    """Granite 4's models whose every layer is attention (Granite 4.0 Micro's shape); its hybrid
+    models' Mamba layers are refused by name."""
+    kinds = list(getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or ())
+    other = next((i for i, kind in enumerate(kinds) if kind not in ("attention", "full_attention")), None)
+    if other is not None:
+        raise ModelError(f"layer {other} is a `{kinds[other]}` layer: Granite 4's hybrid (Mamba) models are not "
+                         "supported, its attention-only ones are")
+    if len(kinds) != cfg.num_hidden_layers:
+        raise ModelError(f"layer_types has {len(kinds)} entries; it needs one for each of the {cfg.num_hidden_layers} layers")
 
 
 def _granite_multipliers(cfg: Any) -> dict[str, float]:
@@ -494,6 +518,13 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
         experts, size, normalize, dense = cfg.num_experts, cfg.intermediate_size, bool(cfg.norm_topk_prob), ()
     elif model_type in ("gpt_oss", "granitemoe"):  # the softmax over the chosen logits sums to 1 already
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, False, ()
+    elif model_type in ("granitemoeshared", "granitemoehybrid"):  # Granite-MoE's, and a shared MLP added ungated
+        if not cfg.num_local_experts:  # Granite 4's dense models (their shared MLP is the layer's MLP)
+            return {}
+        top_k = _experts_per_token(cfg, cfg.num_local_experts)
+        return dict(num_experts=cfg.num_local_experts, experts_per_token=top_k, expert_size=cfg.intermediate_size,
+                    softmax_top_k=True, shared_expert_size=int(getattr(cfg, "shared_intermediate_size", 0) or 0),
+                    shared_expert_gated=False)
     elif model_type in BIASED_ROUTING:
         return _biased_routing(cfg, model_type)
     else:
@@ -1027,6 +1058,8 @@ class CausalLM(nn.Module):
                 weights.copy(attn.sinks, p + "self_attn.sinks")
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.load(p, weights)
+            elif weights.has(p + "shared_mlp.input_linear.weight"):  # Granite 4's dense models: gate and up fused
+                load_fused_mlp(layer.mlp, p + "shared_mlp.", weights)
             else:
                 load_mlp(layer.mlp, p + "mlp.", weights)
             if spec.qk_norm:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weights import WeightReader, dequantize_mxfp4, load_mlp
+from .weights import WeightReader, dequantize_mxfp4, load_fused_mlp, load_mlp
 
 if TYPE_CHECKING:
     from .model import ModelSpec
@@ -165,7 +165,9 @@ class SparseMoE(nn.Module):
             names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
             for e, expert in enumerate(self.experts):
                 load_mlp(expert, f"{moe}experts.{e}.", state, names)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and state.has(prefix + "shared_mlp.input_linear.weight"):
+            load_fused_mlp(self.shared_expert, prefix + "shared_mlp.", state)  # Granite's, beside the block
+        elif self.shared_expert is not None:
             plural = any(state.has(f"{moe}shared_experts.{n}.weight") for n in ("gate_proj", "gate_up_proj"))
             load_mlp(self.shared_expert, moe + ("shared_experts." if plural else "shared_expert."), state)
         if self.shared_expert_gate is not None:

@@ -90,6 +90,13 @@ def load_mlp(mlp: nn.Module, prefix: str, state: WeightReader, names: tuple[str,
         state.copy(mlp.down_proj.bias, f"{prefix}{down}.bias")
 
 
+def load_fused_mlp(mlp: nn.Module, prefix: str, state: WeightReader) -> None:
+    """A gated MLP stored as Granite's: ``input_linear`` (gate rows, then up rows) and
+    ``output_linear``."""
+    state.copy(mlp.gate_up_proj.weight, prefix + "input_linear.weight")
+    state.copy(mlp.down_proj.weight, prefix + "output_linear.weight")
+
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 

@@ -53,10 +53,11 @@ def call_as_text(call: dict[str, Any], parser: str) -> str:
 
 def _xml_format(parser: str) -> Any:
     """The parser class of an XML-like format (:mod:`.xml_calls`), else None."""
+    from . import PARSERS
     from .xml_calls import XmlCallParser
 
-    cls = next((c for c in XmlCallParser.__subclasses__() if c.name == parser), None)
-    return cls
+    cls = PARSERS.get(parser)
+    return cls if cls is not None and issubclass(cls, XmlCallParser) else None
 
 
 def inject(messages: list[dict[str, Any]], tools: list[dict[str, Any]], parser: str) -> list[dict[str, Any]]:

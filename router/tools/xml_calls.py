@@ -105,15 +105,20 @@ def schema_types(schema: Any, defs: dict | None = None, depth: int = 0) -> list[
     out: list[str] = []
     kind = schema.get("type")
     out += [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")) and defs:
-        out += schema_types(defs.get(ref.rsplit("/", 1)[1]), defs, depth + 1)
+    if defs:
+        out += schema_types(_ref_target(schema, defs), defs, depth + 1)
     for key in ("anyOf", "oneOf", "allOf"):
         for branch in schema.get(key) or ():
             out += schema_types(branch, defs, depth + 1)
     values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else []
     out += [_JSON_TYPES.get(type(v), "string") for v in values]
     return list(dict.fromkeys(out))
+
+
+def _ref_target(schema: dict, defs: dict) -> Any:
+    """What ``schema``'s ``$ref`` into the tool's ``$defs`` (or ``definitions``) names; None."""
+    ref = schema.get("$ref")
+    return defs.get(ref.rsplit("/", 1)[1]) if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")) else None
 
 
 def _defs(params: Any) -> dict:
@@ -545,8 +550,7 @@ def _resolved(schema: dict, defs: dict) -> dict:
     """``schema`` with a ``$ref`` to the tool's ``$defs`` replaced by what it names (its own other
     keys kept)."""
     for _ in range(16):
-        ref = schema.get("$ref")
-        target = defs.get(ref.rsplit("/", 1)[1]) if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")) else None
+        target = _ref_target(schema, defs)
         if not isinstance(target, dict):
             return schema
         schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}

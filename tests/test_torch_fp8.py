@@ -54,7 +54,7 @@ def fp8_checkpoint(src, out, block):
     return out
 
 
-CASES = {"llama": [16, 32], "qwen3": [8, 16], "qwen3_moe": [8, 8], "ministral3": None}
+CASES = {"llama": [16, 32], "qwen3": [8, 16], "qwen3_moe": [8, 8], "ministral3": None, "deepseek_v3": [8, 8]}
 
 
 @pytest.fixture(scope="module")

@@ -103,12 +103,17 @@ def test_routing_matches_transformers_routers(checkpoints, arch, dtype):
     the same experts (as sets: transformers does not sort them) with the same weights. In
     bfloat16 too: GLM-4.5's, dots.llm1's and ERNIE's routers and biases stay float32,
     MiniMax-M2's are rounded (a float32 bias picks other experts for about 0.2% of rows)."""
+    assert_routing_matches_transformers(checkpoints[arch], dtype)
+
+
+def assert_routing_matches_transformers(folder, dtype):
+    """SparseMoE.route on ``folder``'s first sparse layer against transformers' router on 4,000
+    rows in ``dtype``: the same experts (as sets) with the same weights."""
     from transformers import AutoModelForCausalLM
 
     from backends.torch.loader import load_checkpoint
     from backends.torch.model import CausalLM
 
-    folder = checkpoints[arch]
     ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
     ckpt = load_checkpoint(folder)
     ours = CausalLM.from_state_dict(ckpt.spec, 64, dict(ckpt.weights), dtype)

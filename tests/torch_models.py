@@ -21,6 +21,10 @@ def smollm2_folder() -> Path:
     return gguf_folder(GGUF)
 
 
+LATENT_ARCHS = ("deepseek_v2", "deepseek_v2-groups", "deepseek_v3", "glm4_moe_lite")
+"""The tiny checkpoints with multi-head latent attention."""
+
+
 def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
     """A random 2-layer model of ``arch`` with SmolLM2's tokenizer, saved as safetensors."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, AutoModelForCausalLM
@@ -219,6 +223,44 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                                         shared_intermediate_size=40, embedding_multiplier=2.0, attention_multiplier=0.1,
                                         residual_multiplier=0.5, logits_scaling=1.5, layer_types=["attention"] * 2,
                                         position_embedding_type=None if moe else "rope")
+    elif arch in LATENT_ARCHS:  # multi-head latent attention: a latent of 32 and a rotated key of 8 a token;
+        # query heads of 16 + 8 dimensions, value heads of 12
+        common["num_key_value_heads"] = common["num_attention_heads"]  # as transformers' MLA needs
+        latent = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_shared_experts=1,
+                      moe_intermediate_size=24, first_k_dense_replace=1)
+        if arch == "deepseek_v2":  # V2-Lite's shape: queries by one projection, 2 of 6 experts by softmax scores
+            # (greedy), not renormalised; complex-number rotary in float32
+            from transformers import DeepseekV2Config
+
+            config = DeepseekV2Config(**common, **latent, q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2,
+                                      topk_method="greedy", norm_topk_prob=False)
+        elif arch == "deepseek_v2-groups":  # V2's: a query bottleneck; 3 of 8 experts from 2 of 4 groups by their
+            # best score, times 2; YaRN with mscale_all_dim on the scores' scale
+            from transformers import DeepseekV2Config
+
+            config = DeepseekV2Config(**common, **latent, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=3,
+                                      topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                      routed_scaling_factor=2.0, norm_topk_prob=False,
+                                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 128, "mscale": 0.707,
+                                                       "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})
+        elif arch == "deepseek_v3":  # V3's: a query bottleneck, interleaved rotary pairs, YaRN (mscale_all_dim);
+            # sigmoid scores plus a bias choose 2 of 8 experts in 4 groups, 2 kept, renormalised, times 2.5
+            from transformers import DeepseekV3Config
+
+            config = DeepseekV3Config(**common, **latent, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2,
+                                      n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                      rope_interleave=True,
+                                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 128, "mscale": 1.0,
+                                                       "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+        else:  # glm4_moe_lite, GLM-4.7-Flash: V3's attention with rotate-half pairs; layer 0 dense by mlp_layer_types
+            from transformers import Glm4MoeLiteConfig
+
+            latent.pop("first_k_dense_replace")
+            config = Glm4MoeLiteConfig(**common, **latent, q_lora_rank=24, n_routed_experts=6, num_experts_per_tok=2,
+                                       routed_scaling_factor=1.8, norm_topk_prob=True, rope_interleave=False,
+                                       pad_token_id=0)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -239,10 +281,11 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
             sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm", "exaone4",
                      "granitemoeshared", "granite4", "granite4-moe")
-            if arch in sharp and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if (arch in sharp or arch in LATENT_ARCHS) and name.endswith(
+                    ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")):
                 # Sharper attention, so that what shapes it shows: at 0.2, SmolLM3's rotary on a
                 # layer moves logprobs by 0.02, Granite's attention multiplier by 0.009; at 0.6 by
-                # 0.9 and 0.08.
+                # 0.9 and 0.08 (latent attention: its queries and its rotated key).
                 p.mul_(3.0)
             if name.endswith("e_score_correction_bias"):
                 p.mul_(2.5)  # ERNIE's (a parameter): as large as the scores, so that it changes choices

@@ -8,7 +8,9 @@ cache slots, then attends:
 - each prefill chunk over its sequence's cached prefix plus itself, causally.
 
 Keys and values live in ``[num_slots, kv_heads, head_dim]`` tensors per layer; a sequence's slots
-are ``block * block_size + offset`` for the blocks of its block table. The cache may hold a
+are ``block * block_size + offset`` for the blocks of its block table. Under multi-head latent
+attention (:mod:`.latent`) one tensor holds both: keys of one head, and values that are their
+first dimensions (the value tensor views the key tensor's). The cache may hold a
 narrower type than the model computes in (``kv_cache_dtype``): new keys and values are rounded
 into it, gathered ones widened back.
 
@@ -63,7 +65,7 @@ would hold about 70M."""
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     meta: AttentionMetadata,
     layer: int,
     scale: float,
@@ -72,15 +74,17 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim].
-    ``sliding``: the layer attends within the model's sliding window (the window masks);
+    ``v`` None: the values are the keys' first dimensions, which the value cache views (latent
+    attention: the output has the values' width); ``sliding``: the layer attends within the model's sliding window (the window masks);
     ``softcap``: the scores' tanh cap, if any; ``sinks``: the sink logit of each head ``[heads]``."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if v is not None:
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     decode_mask = meta.decode_window_mask if sliding else meta.decode_mask
     if meta.num_decode and not meta.prefills:
         return _decode(q, k_cache, v_cache, meta, decode_mask, scale, softcap, sinks)
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
     if meta.num_decode:
         out[: meta.num_decode] = _decode(
             q[: meta.num_decode], k_cache, v_cache, meta, decode_mask, scale, softcap, sinks
@@ -91,6 +95,12 @@ def paged_attention(
             q[span.start : span.end], k_cache, v_cache, span.slots, mask, scale, softcap, sinks
         )
     return out
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, half: int) -> torch.Tensor:
+    """Rotary embedding of ``x`` whose dimension ``j`` pairs with ``j + half``, from a table row's
+    cos and signed sin (:class:`.model.Rotary`)."""
+    return x * cos + x.roll(half, dims=-1) * signed_sin
 
 
 def _attend(
@@ -118,6 +128,12 @@ def _attend(
     return torch.matmul(probs.to(values.dtype), values)
 
 
+def _values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the value cache views the key cache's first dimensions (latent attention): the
+    gathered keys then hold the values too, and are not gathered twice."""
+    return v_cache.data_ptr() == k_cache.data_ptr()
+
+
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, mask: torch.Tensor | None,
     scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
@@ -126,7 +142,10 @@ def _decode(
     kv_heads, dim = k_cache.shape[1:]
     idx = meta.decode_slots.reshape(-1)
     keys = k_cache.index_select(0, idx).to(q.dtype).view(n, context, kv_heads, dim).transpose(1, 2)
-    values = v_cache.index_select(0, idx).to(q.dtype).view(n, context, kv_heads, dim).transpose(1, 2)
+    if _values_in_keys(k_cache, v_cache):
+        values = keys[..., : v_cache.shape[-1]]
+    else:
+        values = v_cache.index_select(0, idx).to(q.dtype).view(n, context, kv_heads, -1).transpose(1, 2)
     # The query heads that share a KV head (heads j*g .. j*g+g-1 use KV head j) stand in for
     # that head's query positions: equal head counts, so every SDPA backend takes it (on CUDA
     # the memory-efficient kernel, which refuses enable_gqa in many torch versions), and one
@@ -134,7 +153,7 @@ def _decode(
     group = q.shape[1] // kv_heads
     sink = sinks.view(kv_heads, group, 1) if sinks is not None else None  # head j * group + g's
     out = _attend(q.reshape(n, kv_heads, group, dim), keys, values, mask, scale, softcap, sink)
-    return out.reshape(n, kv_heads * group, dim)
+    return out.reshape(n, kv_heads * group, -1)
 
 
 def _prefill(
@@ -142,7 +161,10 @@ def _prefill(
     scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-    values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+    if _values_in_keys(k_cache, v_cache):
+        values = keys[..., : v_cache.shape[-1]]
+    else:
+        values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
     if softcap is not None or sinks is not None:
         # The chunk's query heads that share a KV head as one [group x chunk] block of rows.
         chunk, heads, dim = q.shape
@@ -160,7 +182,7 @@ def _prefill(
                     sink[:, i : i + step] if sink is not None else None)
             for i in range(0, rows.shape[1], step)
         ], dim=1)
-        return out.reshape(heads, chunk, dim).transpose(0, 1)
+        return out.reshape(heads, chunk, -1).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         keys,

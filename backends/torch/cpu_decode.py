@@ -99,6 +99,8 @@ class CpuDecoder:
         from .native import KV_KINDS, RkLayer, RkModel, kernels
 
         spec = model.spec
+        if spec.latent is not None or spec.groups_by_best:
+            raise ValueError("CpuDecoder has no latent attention (DeepSeek-V2/V3) nor groups scored by their best expert")
         if spec.head_dim % 2:
             raise ValueError(f"head_dim {spec.head_dim} is not supported by the CPU decode kernels")
         if spec.is_moe and spec.sandwich_norms:  # no such model; moe_block has no output norms

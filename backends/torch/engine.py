@@ -133,11 +133,11 @@ class TorchEngine:
             log.info("torch engine: a mixture of experts; decode steps run eagerly (no CUDA graphs)")
             options.decode_graphs = "off"
         kv_dtype = options.kv_dtype or options.dtype
-        per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
+        per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, dtype=kv_dtype, **spec.kv_entry)
         draft = self._load_draft(checkpoint) if options.draft_model is not None else None
         if draft is not None:  # its keys and values take a share of every block's budget
-            per_block += KVCache.bytes_per_block(draft.spec.num_layers, options.block_size, draft.spec.num_kv_heads,
-                                                 draft.spec.head_dim, kv_dtype)
+            per_block += KVCache.bytes_per_block(draft.spec.num_layers, options.block_size, dtype=kv_dtype,
+                                                 **draft.spec.kv_entry)
         num_blocks = max(1, options.kv_cache_bytes // per_block)
         graphs = options.decode_graphs != "off"
         # Static decode steps need one block the pool never hands out (padding rows write there).
@@ -156,9 +156,8 @@ class TorchEngine:
         # Already in options.dtype; the rotary tables stay float32 (exact), cast per use.
         self.model = model.to(device=options.device).eval()
         release_freed_memory()
-        self.kv = KVCache.allocate(
-            spec.num_layers, num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, options.device
-        )
+        self.kv = KVCache.allocate(spec.num_layers, num_blocks, options.block_size, dtype=kv_dtype,
+                                   device=options.device, **spec.kv_entry)
         self.pool = BlockPool(pool_blocks, options.block_size, prefix_caching=options.prefix_caching)
         # Without speculative_config the proposer drafts only from requests' predictions, and
         # not at all where decode steps replay CUDA graphs: a step with a draft runs eagerly,
@@ -170,8 +169,8 @@ class TorchEngine:
             # In the model's weight format too (its packed matmuls run as torch operations).
             draft_model = CausalLM.from_state_dict(draft.spec, self.max_model_len, draft.weights, options.dtype, pack)
             draft.weights.clear()
-            draft_kv = KVCache.allocate(draft.spec.num_layers, num_blocks, options.block_size, draft.spec.num_kv_heads,
-                                        draft.spec.head_dim, kv_dtype, options.device)
+            draft_kv = KVCache.allocate(draft.spec.num_layers, num_blocks, options.block_size, dtype=kv_dtype,
+                                        device=options.device, **draft.spec.kv_entry)
             self.draft = DraftModel(draft_model.to(device=options.device).eval(), draft_kv, self.tokenizer.vocab_size,
                                     options.device, max_catch_up=options.max_batched_tokens)
         elif options.speculative is not None:
@@ -188,8 +187,11 @@ class TorchEngine:
         )
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
-        # Steps that decode or compute short prompts: one C call (mixtures of experts included).
-        if options.weight_format in ("int8", "int4"):
+        # Steps that decode or compute short prompts: one C call (mixtures of experts included;
+        # latent attention has no C kernels: its packed matmuls run as torch operations).
+        if options.weight_format in ("int8", "int4") and spec.latent is not None:
+            log.info("torch engine: latent attention; steps run as torch operations (no C decode step)")
+        elif options.weight_format in ("int8", "int4"):
             from .cpu_decode import CpuDecoder
 
             decoder = CpuDecoder(self.model, self.kv)

@@ -1,7 +1,7 @@
 """The paged KV cache: fixed-size blocks, reference counts and the prefix cache.
 
 Keys and values live in one tensor pair per layer, ``[num_blocks * block_size, kv_heads,
-head_dim]``. :class:`BlockPool` hands out block ids. A block that is full is identified by a hash
+head_dim]`` (latent attention: one tensor, the values a view of the keys' first dimensions). :class:`BlockPool` hands out block ids. A block that is full is identified by a hash
 chained over all tokens up to its end, so two requests sharing a prompt prefix share its blocks.
 A released block keeps its contents and its hash until a new allocation needs the space (least
 recently used first): a later request with the same prefix finds it again.
@@ -112,12 +112,19 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        values_in_keys: int | None = None,
     ) -> "KVCache":
+        """Zeroed tensors for ``num_blocks`` blocks a layer. ``values_in_keys``: the values are
+        the keys' first that many dimensions (latent attention): one tensor a layer, viewed twice."""
         shape = (num_blocks * block_size, kv_heads, head_dim)
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if values_in_keys is not None:
+            return cls(k, [t[..., :values_in_keys] for t in k], block_size, num_blocks)
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(k, v, block_size, num_blocks)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        values_in_keys: int | None = None) -> int:
+        tensors = 1 if values_in_keys is not None else 2
+        return tensors * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -41,18 +41,24 @@ _MOE_KEY = re.compile(r"\.(?:experts|shared_experts?|shared_expert_gate|block_sp
 
 
 def _targets(spec: ModelSpec) -> dict[str, tuple[str, int, int, int]]:
-    """PEFT's module names -> (our module, first output column, end column, input size)."""
+    """PEFT's module names -> (our module, first output column, end column, input size); under
+    latent attention (whose projections are other ones) the MLP's alone."""
     q, kv, h, i = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, spec.intermediate_size
+    mlp = {
+        "gate_proj": ("gate_up_proj", 0, i, h),
+        "up_proj": ("gate_up_proj", i, 2 * i, h),
+        "gate_up_proj": ("gate_up_proj", 0, 2 * i, h),
+        "down_proj": ("down_proj", 0, h, i),
+    }
+    if spec.latent is not None:
+        return mlp
     return {
         "q_proj": ("qkv_proj", 0, q, h),
         "k_proj": ("qkv_proj", q, q + kv, h),
         "v_proj": ("qkv_proj", q + kv, q + 2 * kv, h),
         "qkv_proj": ("qkv_proj", 0, q + 2 * kv, h),  # Phi-3 adapters: the fused matrix, as ours
         "o_proj": ("o_proj", 0, h, q),
-        "gate_proj": ("gate_up_proj", 0, i, h),
-        "up_proj": ("gate_up_proj", i, 2 * i, h),
-        "gate_up_proj": ("gate_up_proj", 0, 2 * i, h),
-        "down_proj": ("down_proj", 0, h, i),
+        **mlp,
     }
 
 

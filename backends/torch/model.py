@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2)
-as plain torch modules.
+Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2,
+and with multi-head latent attention (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash) as plain
+torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -33,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata, apply_rotary, paged_attention
+from .latent import LatentAttention, LatentShape, latent_scale
 from .moe import SparseMoE
 from .weights import WeightReader, load_fused_mlp, load_mlp
 
@@ -93,6 +95,7 @@ class ModelSpec:
     sigmoid_routing: bool = False
     routing_bias: bool = False
     expert_groups: tuple[int, int] | None = None
+    groups_by_best: bool = False  # DeepSeek-V2: a group scores its best expert's score, not its two best summed
     routed_scale: float | None = None
     float_router: bool = False
     # Layers of a MoE model with a plain MLP of intermediate_size instead (Qwen's mlp_only_layers
@@ -138,17 +141,32 @@ class ModelSpec:
     # the scales' block (rows, columns), or None for one scale a tensor.
     fp8_weights: bool = False
     fp8_block: tuple[int, int] | None = None
+    # DeepSeek-V2/V3's and GLM-4.7-Flash's multi-head latent attention (:mod:`.latent`); its
+    # head_dim is the rotated part's (the rotary tables'), its scores' scale query_scale.
+    latent: LatentShape | None = None
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
-                 "granitemoehybrid")
+                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
     IMAGE_TEXT = ("gemma3", "mistral3")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+    LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+    """Model types whose attention is multi-head latent attention."""
+
+    @property
+    def kv_entry(self) -> dict[str, int | None]:
+        """What one token keeps in one layer's cache, as :class:`.kv_cache.KVCache` takes it:
+        keys and values of ``kv_heads`` heads of ``head_dim``; under latent attention one head
+        of the latent and the rotated key, the values its first ``values_in_keys`` dimensions."""
+        if self.latent is not None:
+            return dict(kv_heads=1, head_dim=self.latent.cache_dim, values_in_keys=self.latent.kv_rank)
+        return dict(kv_heads=self.num_kv_heads, head_dim=self.head_dim, values_in_keys=None)
 
     @property
     def is_moe(self) -> bool:
@@ -260,6 +278,9 @@ class ModelSpec:
             raise ModelError(f"hidden_act `{act}` is not supported; supported: {', '.join(cls.ACTIVATIONS)}")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        latent = LatentShape.of(cfg, ModelError) if model_type in cls.LATENT else None
+        if latent is not None:  # the rotary tables' heads: the rotated part
+            head_dim = latent.rope
         # transformers 5 keeps rope settings in rope_parameters (rope_scaling reads the same);
         # 4.x in rope_theta / rope_scaling. Gemma 3's are per layer type in transformers 5.
         rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
@@ -277,6 +298,8 @@ class ModelSpec:
         local_scaling = _rope_scaling(local, cfg) if local is not None else None
         partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
         rotary_dim = None
+        if partial is not None and float(partial) != 1.0 and latent is not None:
+            raise ModelError(f"partial_rotary_factor {partial}: latent attention rotates qk_rope_head_dim's dimensions")
         if partial is not None and float(partial) != 1.0:
             rotary_dim = int(head_dim * float(partial))  # as transformers rounds it
             if not 2 <= rotary_dim < head_dim or rotary_dim % 2:
@@ -319,6 +342,12 @@ class ModelSpec:
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
             query_scale = cfg.query_pre_attn_scalar**-0.5
+        if latent is not None:
+            query_scale = latent_scale(latent, scaling)
+        # DeepSeek-V2 rotates adjacent pairs as complex numbers, in float32; V3 and GLM-4.7-Flash
+        # adjacent pairs (rope_interleave) in the model's dtype.
+        deepseek_v2 = model_type == "deepseek_v2"
+        interleaved = glm or ernie or deepseek_v2 or (latent is not None and bool(getattr(cfg, "rope_interleave", True)))
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -344,7 +373,7 @@ class ModelSpec:
             qk_norm=qk_norms,
             qk_norm_whole=whole_qk_norms,
             rotary_dim=rotary_dim,
-            interleaved_rotary=glm or ernie,
+            interleaved_rotary=interleaved,
             query_position_scaling=_query_position_scaling(scaling) if model_type == "ministral3" else None,
             **_experts(cfg, model_type),
             activation=cls.ACTIVATIONS[act],
@@ -354,7 +383,7 @@ class ModelSpec:
             sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo or exaone,
             glm_norm_names=model_type == "glm4",
             input_norms=not (olmo or exaone),
-            float_rotary=olmo or ernie,
+            float_rotary=olmo or ernie or deepseek_v2,
             query_scale=query_scale,
             attn_softcap=softcaps["attn_logit_softcapping"],
             final_softcap=softcaps["final_logit_softcapping"],
@@ -370,6 +399,7 @@ class ModelSpec:
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
+            latent=latent,
         )
 
 
@@ -527,6 +557,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
                     shared_expert_gated=False)
     elif model_type in BIASED_ROUTING:
         return _biased_routing(cfg, model_type)
+    elif model_type == "deepseek_v2":
+        return _deepseek_v2_routing(cfg)
     else:
         return {}
     top_k = _experts_per_token(cfg, experts)
@@ -540,7 +572,7 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
                 expert_bias=gpt_oss, clamped_swiglu=swiglu)
 
 
-BIASED_ROUTING = ("glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2")
+BIASED_ROUTING = ("glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
 """Mixtures of experts that choose their experts by scores plus a learned bias (DeepSeek-V3's
 routing; :class:`ModelSpec`'s ``routing_bias``)."""
 
@@ -580,25 +612,72 @@ def _biased_routing(cfg: Any, model_type: str) -> dict[str, Any]:
     elif model_type == "minimax_m2":
         experts, size, dense = cfg.num_local_experts, cfg.intermediate_size, ()
         routing.update(normalize_routing=True, sigmoid_routing=True, float_routing_weights=True)
-    else:  # glm4_moe, dots1
+    else:  # glm4_moe, dots1, deepseek_v3, glm4_moe_lite
         experts, size = cfg.n_routed_experts, cfg.moe_intermediate_size
-        dense = tuple(range(min(int(getattr(cfg, "first_k_dense_replace", 0) or 0), layers)))
-        groups, chosen = int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
-        top_k = _experts_per_token(cfg, experts)
-        if experts % groups or experts // groups < 2 or not 1 <= chosen <= groups or top_k > chosen * (experts // groups):
-            raise ModelError(
-                f"n_group {groups} and topk_group {chosen} do not fit {experts} experts, {top_k} a token: the groups "
-                "must split the experts evenly, at least 2 each, and the chosen groups hold the token's experts"
-            )
-        scale = float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
-        if not scale > 0:
-            raise ModelError(f"routed_scaling_factor {scale} must be a positive number")
+        dense = _first_dense_layers(cfg)
+        kinds = getattr(cfg, "mlp_layer_types", None) if model_type == "glm4_moe_lite" else None
+        if kinds is not None:  # GLM-4.7-Flash names each layer's kind
+            if len(kinds) != layers or set(kinds) - {"dense", "sparse"}:
+                raise ModelError(f"mlp_layer_types {list(kinds)!r} must name each of the {layers} layers "
+                                 "`dense` or `sparse`")
+            dense = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
         routing.update(normalize_routing=bool(cfg.norm_topk_prob), sigmoid_routing=True, float_router=True,
-                       float_routing_weights=True, expert_groups=(groups, chosen) if groups > 1 else None,
-                       routed_scale=scale if scale != 1.0 else None,
+                       float_routing_weights=True, **_groups_and_scale(cfg, experts),
                        shared_expert_size=size * int(getattr(cfg, "n_shared_experts", 0) or 0))
     return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts), expert_size=size,
                 dense_layers=dense, **routing)
+
+
+def _first_dense_layers(cfg: Any, every: int = 1) -> tuple[int, ...]:
+    """The layers with a plain MLP: the first ``first_k_dense_replace``, and (``every``:
+    DeepSeek-V2's ``moe_layer_freq``) those whose index it does not divide."""
+    first = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    return tuple(i for i in range(cfg.num_hidden_layers) if i < first or i % every)
+
+
+def _groups_and_scale(cfg: Any, experts: int) -> dict[str, Any]:
+    """DeepSeek's expert groups (``n_group``, ``topk_group``: None where there is one) and
+    ``routed_scaling_factor`` (None where 1), checked."""
+    groups, chosen = int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
+    top_k = _experts_per_token(cfg, experts)
+    if experts % groups or experts // groups < 2 or not 1 <= chosen <= groups or top_k > chosen * (experts // groups):
+        raise ModelError(
+            f"n_group {groups} and topk_group {chosen} do not fit {experts} experts, {top_k} a token: the groups "
+            "must split the experts evenly, at least 2 each, and the chosen groups hold the token's experts"
+        )
+    scale = float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
+    if not scale > 0:
+        raise ModelError(f"routed_scaling_factor {scale} must be a positive number")
+    return dict(expert_groups=(groups, chosen) if groups > 1 else None, routed_scale=scale if scale != 1.0 else None)
+
+
+DEEPSEEK_V2_TOPK = ("greedy", "group_limited_greedy")
+
+
+def _deepseek_v2_routing(cfg: Any) -> dict[str, Any]:
+    """DeepSeek-V2's mixture of experts: softmax scores (float32 router), the best
+    ``num_experts_per_tok`` (``topk_method`` "greedy"), or among the ``topk_group`` groups whose
+    best expert scores highest ("group_limited_greedy"); weights times
+    ``routed_scaling_factor``, renormalised first with ``norm_topk_prob`` (as DeepSeek's code
+    and vLLM do; transformers ignores the key, and V2's releases set it false); ``n_shared_experts``
+    experts of ``moe_intermediate_size`` added ungated; plain MLPs on the first
+    ``first_k_dense_replace`` layers and off ``moe_layer_freq``."""
+    experts, size = cfg.n_routed_experts, cfg.moe_intermediate_size
+    method = getattr(cfg, "topk_method", "greedy") or "greedy"
+    if method not in DEEPSEEK_V2_TOPK:
+        raise ModelError(f"topk_method `{method}` is not supported; supported: {', '.join(DEEPSEEK_V2_TOPK)}")
+    every = getattr(cfg, "moe_layer_freq", None)
+    every = 1 if every is None else every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ModelError(f"moe_layer_freq {every!r} must be a positive integer")
+    grouping = _groups_and_scale(cfg, experts)
+    if method == "greedy":
+        grouping["expert_groups"] = None
+    return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts), expert_size=size,
+                dense_layers=_first_dense_layers(cfg, every), normalize_routing=bool(getattr(cfg, "norm_topk_prob", False)),
+                float_router=True, float_routing_weights=True, groups_by_best=True,
+                shared_expert_size=size * int(getattr(cfg, "n_shared_experts", 0) or 0), shared_expert_gated=False,
+                **grouping)
 
 
 def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
@@ -795,10 +874,6 @@ def query_position_scales(beta: float, original: int, max_len: int) -> torch.Ten
     return 1 + beta * torch.log(1 + torch.floor(positions / original))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, half: int) -> torch.Tensor:
-    return x * cos + x.roll(half, dims=-1) * signed_sin
-
-
 class RMSNorm(nn.Module):
     """``x / rms(x)`` times a weight per dimension: Llama's (the normalised ``x`` rounded to the
     model's dtype, then scaled), with ``float_scale`` gpt-oss's (scaled in float32, rounded once),
@@ -909,7 +984,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: _norm(spec, spec.hidden_size)  # noqa: E731
         self.input_layernorm = norm() if spec.input_norms else None
-        self.self_attn = Attention(spec, layer)
+        self.self_attn: Attention | LatentAttention
+        if spec.latent is not None:
+            self.self_attn = LatentAttention(spec.hidden_size, spec.num_heads, spec.latent, spec.o_bias, layer,
+                                             spec.attention_scale, lambda size: _norm(spec, size))
+        else:
+            self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = norm() if spec.input_norms else None  # Llama's name for the MLP's input norm
         self.attn_out_norm = norm() if spec.sandwich_norms else None
         self.mlp_out_norm = norm() if spec.sandwich_norms else None
@@ -1043,19 +1123,10 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn = layer.self_attn
-            fused = p + "self_attn.qkv_proj.weight"  # Phi-3 stores q, k and v as one matrix, as we do
-            qkv = weights.take(fused) if weights.has(fused) else torch.cat(
-                [weights.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            )
-            weights.copy(attn.qkv_proj.weight, fused, reorder(qkv))
-            if spec.qkv_bias:
-                bias = torch.cat([weights.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                weights.copy(attn.qkv_proj.bias, p + "qkv bias", reorder(bias))
-            weights.copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
-            if spec.o_bias:
-                weights.copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
-            if attn.sinks is not None:
-                weights.copy(attn.sinks, p + "self_attn.sinks")
+            if isinstance(attn, LatentAttention):
+                attn.load(p + "self_attn.", weights, layout)
+            else:
+                self._load_attention(attn, p, weights, reorder)
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.load(p, weights)
             elif weights.has(p + "shared_mlp.input_linear.weight"):  # Granite 4's dense models: gate and up fused
@@ -1098,6 +1169,25 @@ class CausalLM(nn.Module):
             state.pop("lm_head.weight", None)
         else:
             weights.copy(self.lm_head.weight, "lm_head.weight")
+
+
+    def _load_attention(self, attn: Attention, p: str, weights: WeightReader,
+                        reorder: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Layer ``p``'s q, k, v (fused, their rotated rows moved by ``reorder``), o and sinks."""
+        spec = self.spec
+        fused = p + "self_attn.qkv_proj.weight"  # Phi-3 stores q, k and v as one matrix, as we do
+        qkv = weights.take(fused) if weights.has(fused) else torch.cat(
+            [weights.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        )
+        weights.copy(attn.qkv_proj.weight, fused, reorder(qkv))
+        if spec.qkv_bias:
+            bias = torch.cat([weights.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            weights.copy(attn.qkv_proj.bias, p + "qkv bias", reorder(bias))
+        weights.copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
+        if spec.o_bias:
+            weights.copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
+        if attn.sinks is not None:
+            weights.copy(attn.sinks, p + "self_attn.sinks")
 
 
 def _layer_of(key: str) -> int:

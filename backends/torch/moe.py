@@ -10,7 +10,8 @@ experts have biases and a clamped SwiGLU (:class:`.model.MLP`). Granite-MoE's ro
 its top-k logits too, with no bias. GLM-4.5, dots.llm1 and MiniMax-M2 route as DeepSeek-V3 does:
 sigmoid scores, plus a learned bias to choose the experts (not to weight them), among the best
 groups of experts where the config has groups, the weights times ``routed_scaling_factor``;
-ERNIE 4.5 the same from softmax scores. Their shared experts are added ungated. Numerics follow Hugging Face's
+ERNIE 4.5 the same from softmax scores. DeepSeek-V2 chooses by softmax scores alone, in groups
+scored by their best expert. Their shared experts are added ungated. Numerics follow Hugging Face's
 implementation (transformers 5's grouped experts, what ``from_pretrained`` runs): the softmax in
 float32 (gpt-oss's in the logits' dtype), the same top-k, each (token, slot) pair's weighted
 output kept apart and the slots summed once per token, Mixtral's weights in float32 and the
@@ -50,6 +51,7 @@ class SparseMoE(nn.Module):
         self.float_weights = spec.float_routing_weights
         self.softmax_top_k = spec.softmax_top_k
         self.sigmoid, self.groups, self.routed_scale = spec.sigmoid_routing, spec.expert_groups, spec.routed_scale
+        self.groups_by_best = spec.groups_by_best
         self.float_router = spec.float_router
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
         # DeepSeek-V3's e_score_correction_bias: added to the scores to choose experts only.
@@ -81,10 +83,11 @@ class SparseMoE(nn.Module):
             scores = torch.sigmoid(logits.float())
         else:
             scores = F.softmax(logits, dim=-1, dtype=torch.float32)
-        if self.choice_bias is None:
+        if self.choice_bias is None and self.groups is None:
             weights, chosen = torch.topk(scores, self.top_k, dim=-1)
         else:
-            chosen = torch.topk(self._choice(scores + self.choice_bias), self.top_k, dim=-1).indices
+            biased = scores if self.choice_bias is None else scores + self.choice_bias
+            chosen = torch.topk(self._choice(biased), self.top_k, dim=-1).indices
             weights = scores.gather(1, chosen)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -93,13 +96,14 @@ class SparseMoE(nn.Module):
         return (weights if self.float_weights else weights.to(x.dtype)), chosen
 
     def _choice(self, biased: torch.Tensor) -> torch.Tensor:
-        """The biased scores ``[n, E]`` an expert is chosen by: with groups, those outside the
-        ``topk_group`` groups whose two best scores sum highest set to -inf."""
+        """The (biased) scores ``[n, E]`` an expert is chosen by: with groups, those outside the
+        ``topk_group`` groups whose two best scores sum highest (DeepSeek-V2: whose best score
+        is highest) set to -inf."""
         if self.groups is None:
             return biased
         count, kept = self.groups
         grouped = biased.view(-1, count, self.num_experts // count)
-        best = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = grouped.amax(dim=-1) if self.groups_by_best else grouped.topk(2, dim=-1).values.sum(dim=-1)
         dropped = torch.ones_like(best, dtype=torch.bool).scatter_(1, best.topk(kept, dim=-1).indices, False)
         return grouped.masked_fill(dropped[..., None], float("-inf")).view(-1, self.num_experts)
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen2-yarn", "qwen3",
                                   "phi3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                                   "olmo2", "olmo3", "glm", "glm4", "ministral", "ministral3", "ernie4_5", "exaone4",
-                                  "seed_oss", "granite4"])
+                                  "seed_oss", "granite4", "cohere", "cohere2"])
 def test_float32_on_cuda_matches_transformers_on_the_cpu(tmp_path, arch, graphs):
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, device="cuda", dtype="float32", block_size=4, max_batched_tokens=16,

@@ -151,6 +151,20 @@ def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     assert_c_steps_match_the_torch_path(checkpoints[arch], weight_format=fmt, kv_cache_dtype=kv)
 
 
+def packed_torch_path_distance(folder, fmt):
+    """How far a ``fmt`` (int8, int4) engine of a model the C step cannot run (checked: it has
+    no C decoder) puts the prompt logprobs of :func:`engine_prompt_logprobs` from the float32
+    engine's."""
+    prompt, exact = engine_prompt_logprobs(folder)
+    engine = engine_for(folder, block_size=4, max_batched_tokens=16, weight_format=fmt)
+    try:
+        assert engine._decoder is None
+        got = run(prompt_logprobs(engine, prompt))
+    finally:
+        run(engine.stop())
+    return distance(got, exact)
+
+
 def assert_c_steps_match_the_torch_path(folder, lengths=(5, 23, 40, 11), **options):
     """Prompts of ``lengths`` at once, greedy, through the one C call per step (every step, some
     mixing prompt chunks and decode rows) and through ``CausalLM.forward``: the same tokens,

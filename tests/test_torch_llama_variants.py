@@ -9,7 +9,10 @@ head, and with glm4 norms around each block's output too), Ministral (a window o
 also inside its image-text checkpoint (``mistral3``)), and ERNIE 4.5 (GLM's rotary pairs over
 whole heads, in float32; biases on every projection), EXAONE 4 (OLMo 2's output norms, per-head
 query and key norms, the full-attention layers of its hybrid models without rotary), Seed-OSS
-(biases on q, k, v and o), and Granite-MoE with a shared MLP and Granite 4's attention-only models.
+(biases on q, k, v and o), Granite-MoE with a shared MLP and Granite 4's attention-only models,
+and Cohere's Command models (``cohere``, ``cohere2``: mean-centred norms, attention and MLP in
+parallel from one norm, logits scaled; Command R+'s per-head query and key norms; Cohere 2's
+full-attention layers without rotary).
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -24,12 +27,12 @@ from backends.torch.model import ModelError, ModelSpec
 from test_torch_engine import assert_greedy_matches_transformers, engine_for, generate_all, random_prompts, run
 from test_torch_gemma import (
     assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, hf_prompt_logprobs,
-    prompt_logprobs,
+    packed_torch_path_distance, prompt_logprobs,
 )
 from torch_models import tiny_checkpoint
 
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
-         "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe"]
+         "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,9 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # exaone4: output norms only, per-head q/k norms, layer 0 sliding over 8, layer 1 without
     # rotary; seed_oss: q, k, v and o biases; granitemoeshared: Granite-MoE and a shared MLP added
     # ungated; granite4: Granite 4's dense attention-only shape (its shared MLP as the MLP);
-    # granite4-moe: experts and the shared MLP, no rotary anywhere.
+    # granite4-moe: experts and the shared MLP, no rotary anywhere; cohere: mean-centred norms,
+    # parallel blocks, adjacent rotary pairs in float32, logits times 0.3, biases, per-head q/k
+    # norm weights; cohere2: layer 0 sliding over 8, layer 1 without rotary, logits times 0.5.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -82,6 +87,9 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("exaone4", {"sliding_window": None, "layer_types": ["full_attention", "full_attention"]}),
     ("seed_oss", {"attention_out_bias": False}),
     ("granite4-moe", {"position_embedding_type": "rope"}),
+    ("cohere", {"logit_scale": 1.0}),
+    ("cohere", {"use_qk_norm": False}),
+    ("cohere2", {"layer_types": ["sliding_attention", "sliding_attention"]}),
     ("ministral", {"layer_types": ["full_attention", "full_attention"]}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
@@ -89,12 +97,13 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
         "llama_4_scaling_beta": 0.0}}),
 ])
 def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
-    # Each feature moves transformers' own float32 logprobs on these weights by 500 times what
+    # Each feature moves transformers' own float32 logprobs on these weights by 200 times what
     # test_prompt_logprobs_match_transformers allows (measured: SmolLM3's NoPE layer 0.9;
-    # Granite's multipliers 0.14, 0.08, 0.14, 0.29): an engine ignoring it cannot pass that test.
+    # Granite's multipliers 0.14, 0.08, 0.14, 0.29; Command R+'s query and key norms 0.029):
+    # an engine ignoring it cannot pass that test.
     folder = checkpoints[arch]
     prompt = random_prompts(7, (60,))[0]
-    assert distance(hf_prompt_logprobs(folder, prompt), hf_prompt_logprobs(folder, prompt, **config)) > 0.05
+    assert distance(hf_prompt_logprobs(folder, prompt), hf_prompt_logprobs(folder, prompt, **config)) > 0.02
 
 
 @pytest.mark.parametrize("arch,fmt,kv", [("smollm3", "int4", "auto"), ("smollm3", "int8", "bfloat16"),
@@ -251,6 +260,30 @@ def test_exaone4_and_seed_oss_specs():
     seed = ModelSpec.from_hf_config(_config("seed_oss", attention_bias=True, attention_out_bias=False))
     assert seed.qkv_bias and not seed.o_bias
     assert ModelSpec.from_hf_config(_config("seed_oss", attention_bias=True, attention_out_bias=True)).o_bias
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cohere_in_the_packed_formats_runs_as_torch_operations(checkpoints, fmt):
+    """The C step has no mean-centred norms nor parallel blocks: under int8 and int4 Cohere's
+    packed projections run as torch operations, near the float engine's logprobs (measured
+    0.002 int8, 0.02 int4)."""
+    assert packed_torch_path_distance(checkpoints["cohere"], fmt) < (0.05 if fmt == "int8" else 0.3)
+
+
+def test_cohere_specs():
+    # Command R7B / A's shape: three sliding layers of every four (the pattern, or layer_types),
+    # the fourth without rotary; layer_norm_eps is their norms' epsilon.
+    r7b = ModelSpec.from_hf_config(_config("cohere2", layer_norm_eps=1e-5, logit_scale=0.25, sliding_window=16,
+                                           sliding_window_pattern=4))
+    assert [r7b.window_of(i) for i in range(8)] == [16, 16, 16, None] * 2 and r7b.nope_layers == (3, 7)
+    assert r7b.rms_norm_eps == 1e-5 and r7b.logit_scale == 0.25 and r7b.centered_norms and r7b.parallel_blocks
+    assert r7b.interleaved_rotary and r7b.float_rotary and r7b.rounded_rotary_tables and not r7b.qk_norm
+    unwindowed = ModelSpec.from_hf_config(_config("cohere2", layer_norm_eps=1e-5, sliding_window=None))
+    assert unwindowed.nope_layers == tuple(range(8))  # transformers rotates only the sliding layers
+    plus = ModelSpec.from_hf_config(_config("cohere", layer_norm_eps=1e-5, use_qk_norm=True, logit_scale=1.0))
+    assert plus.qk_norm and plus.qk_norm_per_head and plus.logit_scale is None and plus.nope_layers == ()
+    with pytest.raises(ModelError, match="logit_scale 0 must be a positive number"):
+        ModelSpec.from_hf_config(_config("cohere", layer_norm_eps=1e-5, logit_scale=0))
 
 
 def test_granite4_specs_and_its_hybrid_models_refused():

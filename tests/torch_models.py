@@ -261,6 +261,17 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
             config = Glm4MoeLiteConfig(**common, **latent, q_lora_rank=24, n_routed_experts=6, num_experts_per_tok=2,
                                        routed_scaling_factor=1.8, norm_topk_prob=True, rope_interleave=False,
                                        pad_token_id=0)
+    elif arch == "cohere":  # Command R(+): mean-centred norms, parallel blocks, adjacent rotary pairs in float32,
+        # logits times 0.3; biases on q, k, v and o; query and key norms with a weight per head
+        from transformers import CohereConfig
+
+        config = CohereConfig(**common, pad_token_id=0, logit_scale=0.3, attention_bias=True, use_qk_norm=True)
+    elif arch == "cohere2":  # Command R7B / A: Cohere's blocks; layer 0 slides over 8 and rotates, layer 1
+        # attends to everything without rotary
+        from transformers import Cohere2Config
+
+        config = Cohere2Config(**common, pad_token_id=0, logit_scale=0.5, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"])
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -280,7 +291,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
             sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm", "exaone4",
-                     "granitemoeshared", "granite4", "granite4-moe")
+                     "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2")
             if (arch in sharp or arch in LATENT_ARCHS) and name.endswith(
                     ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")):
                 # Sharper attention, so that what shapes it shows: at 0.2, SmolLM3's rotary on a

@@ -46,6 +46,7 @@ from .scheduler import Scheduled, Step, StepRows
 
 if TYPE_CHECKING:
     from .lora import LoraAdapter
+    from .model import ModelSpec
     from .moe import SparseMoE
 
 PROMPT_POSITIONS = 65_536
@@ -90,6 +91,16 @@ def _eps(norm: torch.nn.Module | None) -> float:
     return norm.eps if norm is not None else 0.0
 
 
+def c_step_refusal(spec: "ModelSpec") -> str | None:
+    """Why the C step cannot run ``spec``'s model (the engine then runs the packed projections
+    as torch operations); None where it can."""
+    if spec.latent is not None or spec.groups_by_best:
+        return "latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)"
+    if spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head:
+        return "Cohere's mean-centred norms and parallel blocks"
+    return None
+
+
 class CpuDecoder:
     """Runs the steps :meth:`accepts` of ``model`` (all its linears :class:`~.quantize.PackedLinear`)
     in one C call each."""
@@ -99,8 +110,9 @@ class CpuDecoder:
         from .native import KV_KINDS, RkLayer, RkModel, kernels
 
         spec = model.spec
-        if spec.latent is not None or spec.groups_by_best:
-            raise ValueError("CpuDecoder has no latent attention (DeepSeek-V2/V3) nor groups scored by their best expert")
+        refusal = c_step_refusal(spec)
+        if refusal is not None:
+            raise ValueError(f"CpuDecoder has no {refusal}")
         if spec.head_dim % 2:
             raise ValueError(f"head_dim {spec.head_dim} is not supported by the CPU decode kernels")
         if spec.is_moe and spec.sandwich_norms:  # no such model; moe_block has no output norms

@@ -188,13 +188,15 @@ class TorchEngine:
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
         # Steps that decode or compute short prompts: one C call (mixtures of experts included;
-        # latent attention has no C kernels: its packed matmuls run as torch operations).
-        if options.weight_format in ("int8", "int4") and spec.latent is not None:
-            log.info("torch engine: latent attention; steps run as torch operations (no C decode step)")
-        elif options.weight_format in ("int8", "int4"):
-            from .cpu_decode import CpuDecoder
+        # what the C step lacks runs its packed matmuls as torch operations).
+        if options.weight_format in ("int8", "int4"):
+            from .cpu_decode import CpuDecoder, c_step_refusal
 
-            decoder = CpuDecoder(self.model, self.kv)
+            refusal = c_step_refusal(spec)
+            if refusal is None:
+                decoder = CpuDecoder(self.model, self.kv)
+            else:
+                log.info("torch engine: the C decode step has no %s; steps run as torch operations", refusal)
         self.adapters = None  # lora.Adapters once the first adapter loads
         self._decoder = decoder
         for name, path in options.lora_modules.items():  # after the C decoder read the packed projections

@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
-Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Gemma 1/2/3, and the mixtures of experts Mixtral,
+Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Gemma 1/2/3,
+and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2,
 and with multi-head latent attention (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash) as plain
 torch modules.
@@ -141,6 +142,16 @@ class ModelSpec:
     # the scales' block (rows, columns), or None for one scale a tensor.
     fp8_weights: bool = False
     fp8_block: tuple[int, int] | None = None
+    # Cohere (Command R, R7B, A): norms subtract the mean first (a LayerNorm without bias, its
+    # weight applied in float32, rounded once); the attention and the MLP read the same normed
+    # input and both add to the residual (parallel blocks); the logits are multiplied by
+    # logit_scale; queries and keys rotate in float32 from tables rounded to the model's dtype;
+    # Command R+'s query and key norms have a weight per head (qk_norm_per_head).
+    centered_norms: bool = False
+    parallel_blocks: bool = False
+    logit_scale: float | None = None
+    rounded_rotary_tables: bool = False
+    qk_norm_per_head: bool = False
     # DeepSeek-V2/V3's and GLM-4.7-Flash's multi-head latent attention (:mod:`.latent`); its
     # head_dim is the rotated part's (the rotary tables'), its scores' scale query_scale.
     latent: LatentShape | None = None
@@ -149,7 +160,7 @@ class ModelSpec:
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
-                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2")
     IMAGE_TEXT = ("gemma3", "mistral3")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -337,8 +348,10 @@ class ModelSpec:
         if whole_qk_norms and rotary_dim is not None and model_type != "minimax_m2":
             # transformers rotates OLMo's whole heads, whatever such a key says
             raise ModelError(f"partial_rotary_factor is not supported for model_type `{model_type}`")
+        cohere = model_type in ("cohere", "cohere2")
+        cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
         qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4") or whole_qk_norms or (
-            model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False)))
+            model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
             query_scale = cfg.query_pre_attn_scalar**-0.5
@@ -347,7 +360,8 @@ class ModelSpec:
         # DeepSeek-V2 rotates adjacent pairs as complex numbers, in float32; V3 and GLM-4.7-Flash
         # adjacent pairs (rope_interleave) in the model's dtype.
         deepseek_v2 = model_type == "deepseek_v2"
-        interleaved = glm or ernie or deepseek_v2 or (latent is not None and bool(getattr(cfg, "rope_interleave", True)))
+        interleaved = glm or ernie or deepseek_v2 or cohere or (
+            latent is not None and bool(getattr(cfg, "rope_interleave", True)))
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -358,7 +372,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
+            rms_norm_eps=cfg.layer_norm_eps if cohere else cfg.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position=cfg.max_position_embeddings,
@@ -383,7 +397,7 @@ class ModelSpec:
             sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo or exaone,
             glm_norm_names=model_type == "glm4",
             input_norms=not (olmo or exaone),
-            float_rotary=olmo or ernie or deepseek_v2,
+            float_rotary=olmo or ernie or deepseek_v2 or cohere,
             query_scale=query_scale,
             attn_softcap=softcaps["attn_logit_softcapping"],
             final_softcap=softcaps["final_logit_softcapping"],
@@ -395,11 +409,16 @@ class ModelSpec:
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (
                 _full_layers(cfg, sliding_layers) if exaone and window else ()) or (
                 tuple(range(cfg.num_hidden_layers)) if granite4 and getattr(cfg, "position_embedding_type", None) != "rope"
-                else ()),
+                else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()),
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
             latent=latent,
+            centered_norms=cohere,
+            parallel_blocks=cohere,
+            logit_scale=_logit_scale(cfg) if cohere else None,
+            rounded_rotary_tables=cohere,
+            qk_norm_per_head=cohere_qk_norms,
         )
 
 
@@ -419,6 +438,22 @@ def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
 def _full_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
     """The layers that attend to every position: EXAONE 4's hybrid models do not rotate them."""
     return tuple(i for i in range(cfg.num_hidden_layers) if sliding is not None and i not in sliding)
+
+
+def _unwindowed_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Cohere 2's layers without rotary: all but the sliding-window ones (all of them where the
+    config has no window, as transformers rotates only where a layer slides)."""
+    return tuple(i for i in range(cfg.num_hidden_layers) if sliding is None or i not in sliding)
+
+
+def _logit_scale(cfg: Any) -> float | None:
+    """Cohere's factor on the logits (``logit_scale``; None: 1, no factor)."""
+    value = getattr(cfg, "logit_scale", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelError(f"logit_scale {value!r} must be a positive number")
+    return float(value) if value != 1 else None
 
 
 def _nope_layers(cfg: Any) -> tuple[int, ...]:
@@ -694,14 +729,15 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral", "exaone4"):
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral", "exaone4", "cohere2"):
         pattern = getattr(cfg, "sliding_window_pattern", None)
         if types is None and model_type == "exaone4" and isinstance(pattern, str) and pattern:  # "LLLG"
             types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
                      for i in range(cfg.num_hidden_layers)]
         if types is None:  # transformers 4.x: the pattern alone (Ministral: every layer)
             pattern = {"gemma3_text": getattr(cfg, "sliding_window_pattern", 6), "olmo3": 4,
-                       "ministral": cfg.num_hidden_layers + 1, "exaone4": pattern or 4}.get(model_type, 2)
+                       "ministral": cfg.num_hidden_layers + 1, "exaone4": pattern or 4,
+                       "cohere2": pattern or 4}.get(model_type, 2)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg.num_hidden_layers)]
         layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
         return (int(window), layers) if layers else (None, None)
@@ -862,9 +898,14 @@ class Rotary(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self.half = spec.head_dim // 2
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and (signed) sin rows for a step's positions, shaped to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype,
+               rounded: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and (signed) sin rows for a step's positions, shaped to broadcast over heads, in
+        ``dtype`` (first rounded to ``rounded``, Cohere's tables, if given)."""
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        if rounded is not None:
+            cos, sin = cos.to(rounded), sin.to(rounded)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def query_position_scales(beta: float, original: int, max_len: int) -> torch.Tensor:
@@ -879,16 +920,20 @@ class RMSNorm(nn.Module):
     model's dtype, then scaled), with ``float_scale`` gpt-oss's (scaled in float32, rounded once),
     or with ``offset`` Gemma's (scaled by ``1 + weight`` in float32, rounded once)."""
 
-    def __init__(self, size: int, eps: float, offset: bool = False, float_scale: bool = False) -> None:
+    def __init__(self, size: int | tuple[int, ...], eps: float, offset: bool = False, float_scale: bool = False,
+                 centered: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.offset = offset
-        self.float_scale = float_scale or offset
+        self.float_scale = float_scale or offset or centered
+        self.centered = centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
+        if self.centered:  # Cohere's LayerNorm (no bias): the deviation from the mean, normalised
+            x = x - x.mean(-1, keepdim=True)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.float_scale:
             return (x * self.scale()).to(dtype)
@@ -899,9 +944,9 @@ class RMSNorm(nn.Module):
         return 1.0 + self.weight.float() if self.offset else self.weight.float()
 
 
-def _norm(spec: ModelSpec, size: int) -> RMSNorm:
+def _norm(spec: ModelSpec, size: int | tuple[int, ...]) -> RMSNorm:
     """One of the model's norms, in its family's arithmetic."""
-    return RMSNorm(size, spec.rms_norm_eps, spec.offset_norms, spec.float_norms)
+    return RMSNorm(size, spec.rms_norm_eps, spec.offset_norms, spec.float_norms, spec.centered_norms)
 
 
 class Attention(nn.Module):
@@ -920,8 +965,11 @@ class Attention(nn.Module):
         self.sliding = spec.window_of(layer) is not None
         self.rotates = layer not in spec.nope_layers
         self.whole_qk_norm = spec.qk_norm_whole
-        self.q_norm = _norm(spec, self.q_size if self.whole_qk_norm else spec.head_dim) if spec.qk_norm else None
-        self.k_norm = _norm(spec, self.kv_size if self.whole_qk_norm else spec.head_dim) if spec.qk_norm else None
+        q_norm, k_norm = (self.q_size, self.kv_size) if self.whole_qk_norm else (spec.head_dim, spec.head_dim)
+        if spec.qk_norm_per_head:  # Command R+: a weight of its own for every head
+            q_norm, k_norm = (spec.num_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
+        self.q_norm = _norm(spec, q_norm) if spec.qk_norm else None
+        self.k_norm = _norm(spec, k_norm) if spec.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
 
     def forward(
@@ -990,7 +1038,9 @@ class DecoderLayer(nn.Module):
                                              spec.attention_scale, lambda size: _norm(spec, size))
         else:
             self.self_attn = Attention(spec, layer)
-        self.post_attention_layernorm = norm() if spec.input_norms else None  # Llama's name for the MLP's input norm
+        # Llama's name for the MLP's input norm (Cohere's MLP reads the attention's input)
+        self.post_attention_layernorm = norm() if spec.input_norms and not spec.parallel_blocks else None
+        self.parallel = spec.parallel_blocks
         self.attn_out_norm = norm() if spec.sandwich_norms else None
         self.mlp_out_norm = norm() if spec.sandwich_norms else None
         self.residual_scale = spec.residual_scale
@@ -1006,7 +1056,10 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
         q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.self_attn(_normed(self.input_layernorm, x), rope, meta, q_scale)
+        normed = _normed(self.input_layernorm, x)
+        h = self.self_attn(normed, rope, meta, q_scale)
+        if self.parallel:  # Cohere: both blocks from the same input, both added to it
+            return x + h + self.mlp(normed)
         x = x + self._branch(h, self.attn_out_norm)
         h = self.mlp(_normed(self.post_attention_layernorm, x))
         return x + self._branch(h, self.mlp_out_norm)
@@ -1059,10 +1112,13 @@ class CausalLM(nn.Module):
 
     def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The LM head's output as the model gives it: Gemma 2's cap (``cap * tanh(logits /
-        cap)``), Granite's division by ``logits_scaling``; as it is for the others."""
+        cap)``), Granite's division by ``logits_scaling``, Cohere's ``logit_scale``; as it is for
+        the others."""
         cap, scaling = self.spec.final_softcap, self.spec.logits_scaling
         if scaling is not None:
             logits = logits / scaling
+        if self.spec.logit_scale is not None:
+            logits = logits * self.spec.logit_scale
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @classmethod
@@ -1098,7 +1154,7 @@ class CausalLM(nn.Module):
         if (scale := self.embed_scale(x.dtype)) is not None:
             x = x * scale
         rope_dtype = torch.float32 if self.spec.float_rotary else x.dtype
-        rope = self.rotary.tables(positions, rope_dtype)
+        rope = self.rotary.tables(positions, rope_dtype, x.dtype if self.spec.rounded_rotary_tables else None)
         local = self.local_rotary.tables(positions, rope_dtype) if self.local_rotary is not None else rope
         q_scale = None
         if self.query_scales is not None:
@@ -1136,7 +1192,9 @@ class CausalLM(nn.Module):
             if spec.qk_norm:
                 for name in ("q_norm", "k_norm"):
                     norm = weights.take(p + f"self_attn.{name}.weight")
-                    if layout is not None and norm.shape == layout.shape:
+                    if layout is not None and spec.qk_norm_per_head:  # [heads, head_dim]
+                        norm = norm[:, layout]
+                    elif layout is not None and norm.shape == layout.shape:
                         norm = norm[layout]
                     elif layout is not None and spec.qk_norm_whole:  # MiniMax-M2's: each head's dimensions move
                         norm = norm.view(-1, spec.head_dim)[:, layout].flatten()
@@ -1152,7 +1210,7 @@ class CausalLM(nn.Module):
                 if spec.input_norms:
                     weights.copy(layer.post_attention_layernorm.weight, p + "pre_feedforward_layernorm.weight")
                 weights.copy(layer.mlp_out_norm.weight, p + "post_feedforward_layernorm.weight")
-            else:
+            elif layer.post_attention_layernorm is not None:
                 weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
             if loaded is not None:
                 _all_loaded(layer, p)

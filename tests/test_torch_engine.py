@@ -60,6 +60,28 @@ def generate_all(engine, prompts, n):
     return [out for out, _ in run(all_at_once())]
 
 
+def assert_prefix_hits_match_no_cache(folder, inspect=None):
+    """Two prompts sharing 32 tokens through a small-steps engine: the second reports the 32
+    cached and both give the tokens an engine without the prefix cache gives. ``inspect``:
+    called with the caching engine before it generates."""
+    shared = random_prompts(5, (32,))[0]
+    prompts = [shared + [11, 12, 13], shared + [14, 15]]
+    plain = small_steps_engine(folder, prefix_caching=False)
+    try:
+        expected = [run(generate(plain, p, 10))[0] for p in prompts]
+    finally:
+        run(plain.stop())
+    engine = small_steps_engine(folder)
+    try:
+        if inspect is not None:
+            inspect(engine)
+        first, _ = run(generate(engine, prompts[0], 10))
+        second, cached = run(generate(engine, prompts[1], 10))
+    finally:
+        run(engine.stop())
+    assert cached == 32 and [first, second] == expected
+
+
 def small_steps_engine(folder, **options):
     """An engine of 16-token steps over blocks of 4: prompt chunks and decode rows share steps."""
     return engine_for(folder, block_size=4, max_batched_tokens=16, **options)

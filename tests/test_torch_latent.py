@@ -17,7 +17,7 @@ import torch
 
 from backends.torch.latent import LatentShape, latent_scale
 from backends.torch.model import ModelError, ModelSpec
-from test_torch_engine import assert_greedy_matches_transformers, engine_for, generate, random_prompts, run
+from test_torch_engine import assert_greedy_matches_transformers, assert_prefix_hits_match_no_cache, random_prompts
 from test_torch_gemma import distance, engine_prompt_logprobs, hf_prompt_logprobs, packed_torch_path_distance
 from test_torch_routed_moe import assert_routing_matches_transformers
 from torch_models import LATENT_ARCHS, tiny_checkpoint, write_lora
@@ -89,25 +89,13 @@ def test_the_cache_holds_one_latent_and_one_rotated_key_a_token(checkpoints):
     a view of its first 32: the budget holds (4 heads x 24 + 4 x 12) / 40 = 3.6 times the tokens
     the expanded keys and values would. Prefix caching reuses the latents: a second prompt
     sharing 32 tokens reports them cached and gives the tokens an engine without the cache gives."""
-    folder = checkpoints["deepseek_v3"]
-    shared = random_prompts(5, (32,))[0]
-    prompts = [shared + [11, 12, 13], shared + [14, 15]]
-    plain = engine_for(folder, block_size=4, max_batched_tokens=16, prefix_caching=False)
-    try:
-        expected = [run(generate(plain, p, 10))[0] for p in prompts]
-    finally:
-        run(plain.stop())
-    engine = engine_for(folder, block_size=4, max_batched_tokens=16)
-    try:
+    def inspect(engine):
         kv = engine.kv
         assert len(kv.k) == 2 and kv.k[0].shape[1:] == (1, 40) and kv.v[0].shape[1:] == (1, 32)
         assert kv.v[0].data_ptr() == kv.k[0].data_ptr() and kv.v[1]._base is kv.k[1]
         assert engine._block_bytes == 2 * 4 * 40 * 4  # layers x block x numbers x float32
-        first, _ = run(generate(engine, prompts[0], 10))
-        second, cached = run(generate(engine, prompts[1], 10))
-    finally:
-        run(engine.stop())
-    assert cached == 32 and [first, second] == expected
+
+    assert_prefix_hits_match_no_cache(checkpoints["deepseek_v3"], inspect)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -132,7 +120,7 @@ def test_latent_specs():
                                           moe_layer_freq=2, norm_topk_prob=True, routed_scaling_factor=16.0))
     assert v2.latent == LatentShape(q_rank=0, kv_rank=32, nope=16, rope=8, v=12)
     assert v2.head_dim == 8 and v2.interleaved_rotary and v2.float_rotary
-    assert v2.kv_entry == dict(kv_heads=1, head_dim=40, values_in_keys=32)
+    assert v2.kv_entry(0) == v2.kv_entry(3) == dict(kv_heads=1, head_dim=40, values_in_keys=32)
     assert v2.attention_scale == pytest.approx(24**-0.5)
     # dense: layer 0 (first_k_dense_replace) and the odd ones (moe_layer_freq 2)
     assert v2.dense_layers == (0, 1, 3) and v2.expert_groups == (4, 2) and v2.groups_by_best
@@ -151,7 +139,7 @@ def test_latent_specs():
     lite = ModelSpec.from_hf_config(_config("glm4_moe_lite", mlp_layer_types=["dense", "sparse", "dense", "sparse"]))
     assert lite.dense_layers == (0, 2)
     plain = ModelSpec.from_hf_config(_config("llama"))
-    assert plain.latent is None and plain.kv_entry == dict(kv_heads=4, head_dim=8, values_in_keys=None)
+    assert plain.latent is None and plain.kv_entry(0) == dict(kv_heads=4, head_dim=8, values_in_keys=None)
 
 
 @pytest.mark.parametrize("changes,message", [

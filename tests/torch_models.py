@@ -272,6 +272,14 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
         config = Cohere2Config(**common, pad_token_id=0, logit_scale=0.5, sliding_window=8,
                                layer_types=["sliding_attention", "full_attention"])
+    elif arch == "lfm2":  # LFM2: layers 0, 1 and 3 short convolutions (3 taps), layer 2 attention with per-head
+        # q/k norms; the MLP's width 2/3 of intermediate_size, rounded up to 32
+        from transformers import Lfm2Config
+
+        lfm2 = {**common, "num_hidden_layers": 4, "intermediate_size": 96}
+        lfm2["norm_eps"] = lfm2.pop("rms_norm_eps")
+        config = Lfm2Config(**lfm2, pad_token_id=0, conv_L_cache=3, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+                            block_auto_adjust_ff_dim=True, layer_types=["conv", "conv", "full_attention", "conv"])
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)

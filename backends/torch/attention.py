@@ -54,6 +54,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] or None (no padding)
     decode_window_mask: torch.Tensor | None = None  # the same for sliding-window layers
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Models with short convolutions (:mod:`.conv`): each row's window of cache slots
+    # [tokens, kernel] and which of them lie in its sequence.
+    conv_slots: torch.Tensor | None = None
+    conv_valid: torch.Tensor | None = None
 
 
 CAPPED_SCORES = 1 << 22

@@ -98,6 +98,8 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
         return "latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)"
     if spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head:
         return "Cohere's mean-centred norms and parallel blocks"
+    if spec.conv_layers:
+        return "short convolutions (LFM2)"
     return None
 
 

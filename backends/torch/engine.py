@@ -132,12 +132,15 @@ class TorchEngine:
             # Routing reads each expert's token count back to the host: nothing a graph can hold.
             log.info("torch engine: a mixture of experts; decode steps run eagerly (no CUDA graphs)")
             options.decode_graphs = "off"
+        if spec.conv_layers and options.decode_graphs != "off":
+            # The static decode path builds no convolution windows (conv.conv_windows).
+            log.info("torch engine: short convolutions (LFM2); decode steps run eagerly (no CUDA graphs)")
+            options.decode_graphs = "off"
         kv_dtype = options.kv_dtype or options.dtype
-        per_block = KVCache.bytes_per_block(spec.num_layers, options.block_size, dtype=kv_dtype, **spec.kv_entry)
+        per_block = KVCache.bytes_per_block(spec, options.block_size, kv_dtype)
         draft = self._load_draft(checkpoint) if options.draft_model is not None else None
         if draft is not None:  # its keys and values take a share of every block's budget
-            per_block += KVCache.bytes_per_block(draft.spec.num_layers, options.block_size, dtype=kv_dtype,
-                                                 **draft.spec.kv_entry)
+            per_block += KVCache.bytes_per_block(draft.spec, options.block_size, kv_dtype)
         num_blocks = max(1, options.kv_cache_bytes // per_block)
         graphs = options.decode_graphs != "off"
         # Static decode steps need one block the pool never hands out (padding rows write there).
@@ -156,8 +159,7 @@ class TorchEngine:
         # Already in options.dtype; the rotary tables stay float32 (exact), cast per use.
         self.model = model.to(device=options.device).eval()
         release_freed_memory()
-        self.kv = KVCache.allocate(spec.num_layers, num_blocks, options.block_size, dtype=kv_dtype,
-                                   device=options.device, **spec.kv_entry)
+        self.kv = KVCache.for_model(spec, num_blocks, options.block_size, kv_dtype, options.device)
         self.pool = BlockPool(pool_blocks, options.block_size, prefix_caching=options.prefix_caching)
         # Without speculative_config the proposer drafts only from requests' predictions, and
         # not at all where decode steps replay CUDA graphs: a step with a draft runs eagerly,
@@ -169,8 +171,7 @@ class TorchEngine:
             # In the model's weight format too (its packed matmuls run as torch operations).
             draft_model = CausalLM.from_state_dict(draft.spec, self.max_model_len, draft.weights, options.dtype, pack)
             draft.weights.clear()
-            draft_kv = KVCache.allocate(draft.spec.num_layers, num_blocks, options.block_size, dtype=kv_dtype,
-                                        device=options.device, **draft.spec.kv_entry)
+            draft_kv = KVCache.for_model(draft.spec, num_blocks, options.block_size, kv_dtype, options.device)
             self.draft = DraftModel(draft_model.to(device=options.device).eval(), draft_kv, self.tokenizer.vocab_size,
                                     options.device, max_catch_up=options.max_batched_tokens)
         elif options.speculative is not None:
@@ -225,6 +226,9 @@ class TorchEngine:
         from .loader import load_checkpoint
 
         draft = load_checkpoint(self.options.draft_model)
+        if draft.spec.conv_layers:
+            raise ValueError(f"speculative_config.model ({self.options.draft_model}): a draft model with short "
+                             "convolutions (LFM2) is not supported; its target model can use one without them")
         ours, theirs = checkpoint.tokenizer, draft.tokenizer
         if theirs.vocab_size != ours.vocab_size or any(
             theirs.token_bytes(i) != ours.token_bytes(i) for i in range(0, ours.vocab_size, max(1, ours.vocab_size // 512))

@@ -1,7 +1,8 @@
 """The paged KV cache: fixed-size blocks, reference counts and the prefix cache.
 
 Keys and values live in one tensor pair per layer, ``[num_blocks * block_size, kv_heads,
-head_dim]`` (latent attention: one tensor, the values a view of the keys' first dimensions). :class:`BlockPool` hands out block ids. A block that is full is identified by a hash
+head_dim]`` (latent attention: one tensor, the values a view of the keys' first dimensions; a
+short convolution: its inputs alone). :class:`BlockPool` hands out block ids. A block that is full is identified by a hash
 chained over all tokens up to its end, so two requests sharing a prompt prefix share its blocks.
 A released block keeps its contents and its hash until a new allocation needs the space (least
 recently used first): a later request with the same prefix finds it again.
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .model import ModelSpec
 
 
 def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -112,19 +116,40 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        values_in_keys: int | None = None,
     ) -> "KVCache":
-        """Zeroed tensors for ``num_blocks`` blocks a layer. ``values_in_keys``: the values are
-        the keys' first that many dimensions (latent attention): one tensor a layer, viewed twice."""
-        shape = (num_blocks * block_size, kv_heads, head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        if values_in_keys is not None:
-            return cls(k, [t[..., :values_in_keys] for t in k], block_size, num_blocks)
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        """Zeroed keys and values of ``kv_heads`` heads of ``head_dim``, alike on every layer."""
+        entry = dict(kv_heads=kv_heads, head_dim=head_dim, values_in_keys=None)
+        return cls._of([entry] * num_layers, num_blocks, block_size, dtype, device)
+
+    @classmethod
+    def for_model(cls, spec: "ModelSpec", num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device) -> "KVCache":
+        """Zeroed tensors for ``num_blocks`` blocks of each of ``spec``'s layers, shaped as the
+        layer keeps a token (:meth:`.model.ModelSpec.kv_entry`)."""
+        entries = [spec.kv_entry(layer) for layer in range(spec.num_layers)]
+        return cls._of(entries, num_blocks, block_size, dtype, device)
+
+    @classmethod
+    def _of(cls, entries: list[dict], num_blocks: int, block_size: int, dtype: torch.dtype,
+            device: torch.device) -> "KVCache":
+        k, v = [], []
+        for entry in entries:
+            keys = torch.zeros((num_blocks * block_size, entry["kv_heads"], entry["head_dim"]), dtype=dtype,
+                               device=device)
+            k.append(keys)
+            # values_in_keys: the values are the keys' first that many dimensions (latent
+            # attention; none at all for a convolution's inputs): one tensor, viewed twice.
+            inside = entry["values_in_keys"]
+            v.append(keys[..., :inside] if inside is not None else torch.zeros_like(keys))
         return cls(k, v, block_size, num_blocks)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        values_in_keys: int | None = None) -> int:
-        tensors = 1 if values_in_keys is not None else 2
-        return tensors * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(spec: "ModelSpec", block_size: int, dtype: torch.dtype) -> int:
+        """What one block of every layer of ``spec``'s model takes."""
+        size = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for layer in range(spec.num_layers):
+            entry = spec.kv_entry(layer)
+            tensors = 1 if entry["values_in_keys"] is not None else 2
+            total += tensors * block_size * entry["kv_heads"] * entry["head_dim"] * size
+        return total

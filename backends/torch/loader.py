@@ -163,7 +163,24 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if isinstance(template, dict):
         template = template.get("default")
     rename = _language_model_weight if getattr(config, "text_config", None) is not None else None
+    if getattr(config, "model_type", None) == "lfm2":
+        rename = _lfm2_weight
     return Checkpoint(spec, _safetensors_weights(path, rename), HFTokenizer(hf_tok, eos), template)
+
+
+_LFM2_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+               (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
+               (".k_layernorm.", ".k_norm."), (".feed_forward.w1.", ".mlp.gate_proj."),
+               (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."))
+
+
+def _lfm2_weight(key: str) -> str:
+    """An LFM2 weight by the name a Llama checkpoint gives its counterpart (its norms, o_proj,
+    q/k norms, MLP and final ``embedding_norm``); its conv layers' keep theirs."""
+    for theirs, ours in _LFM2_NAMES:
+        if theirs in key:
+            return key.replace(theirs, ours)
+    return key.replace("embedding_norm.", "norm.") if ".layers." not in key else key
 
 
 _LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", ""))

@@ -81,6 +81,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
 
     peft = read_peft_folder(name, folder)
     fail, scale, weights_file = peft.error, peft.scale, peft.weights_file
+    if spec.conv_layers:  # its projections are named and shaped otherwise, layer by layer
+        raise fail("adapters of a model with short convolutions (LFM2) are not supported")
     targets, rows = _targets(spec), spec.qkv_row_order()
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:

@@ -2,8 +2,8 @@
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Gemma 1/2/3,
 and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2,
-and with multi-head latent attention (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash) as plain
-torch modules.
+and with multi-head latent attention (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with
+short convolutions (:mod:`.conv`)) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, apply_rotary, paged_attention
+from .conv import ShortConv
 from .latent import LatentAttention, LatentShape, latent_scale
 from .moe import SparseMoE
 from .weights import WeightReader, load_fused_mlp, load_mlp
@@ -152,6 +153,11 @@ class ModelSpec:
     logit_scale: float | None = None
     rounded_rotary_tables: bool = False
     qk_norm_per_head: bool = False
+    # LFM2: the layers that are short convolutions (:mod:`.conv`) instead of attention, their
+    # filters' taps (conv_L_cache) and whether they have biases (conv_bias).
+    conv_layers: tuple[int, ...] = ()
+    conv_kernel: int = 0
+    conv_bias: bool = False
     # DeepSeek-V2/V3's and GLM-4.7-Flash's multi-head latent attention (:mod:`.latent`); its
     # head_dim is the rotated part's (the rotary tables'), its scores' scale query_scale.
     latent: LatentShape | None = None
@@ -160,7 +166,7 @@ class ModelSpec:
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
-                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2")
+                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2")
     IMAGE_TEXT = ("gemma3", "mistral3")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -170,11 +176,13 @@ class ModelSpec:
     LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
     """Model types whose attention is multi-head latent attention."""
 
-    @property
-    def kv_entry(self) -> dict[str, int | None]:
-        """What one token keeps in one layer's cache, as :class:`.kv_cache.KVCache` takes it:
+    def kv_entry(self, layer: int) -> dict[str, int | None]:
+        """What one token keeps in ``layer``'s cache, as :class:`.kv_cache.KVCache` takes it:
         keys and values of ``kv_heads`` heads of ``head_dim``; under latent attention one head
-        of the latent and the rotated key, the values its first ``values_in_keys`` dimensions."""
+        of the latent and the rotated key, the values its first ``values_in_keys`` dimensions;
+        a short convolution's input, one head of ``hidden_size`` (no values)."""
+        if layer in self.conv_layers:
+            return dict(kv_heads=1, head_dim=self.hidden_size, values_in_keys=0)
         if self.latent is not None:
             return dict(kv_heads=1, head_dim=self.latent.cache_dim, values_in_keys=self.latent.kv_rank)
         return dict(kv_heads=self.num_kv_heads, head_dim=self.head_dim, values_in_keys=None)
@@ -349,8 +357,10 @@ class ModelSpec:
             # transformers rotates OLMo's whole heads, whatever such a key says
             raise ModelError(f"partial_rotary_factor is not supported for model_type `{model_type}`")
         cohere = model_type in ("cohere", "cohere2")
+        lfm2 = _lfm2_fields(cfg) if model_type == "lfm2" else {}
+        intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
         cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
-        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4") or whole_qk_norms or (
+        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2") or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
@@ -367,12 +377,12 @@ class ModelSpec:
             hidden_size=cfg.hidden_size,
             # Granite 4's dense models: the shared MLP alone
             intermediate_size=cfg.shared_intermediate_size if granite4 and not cfg.num_local_experts
-            else cfg.intermediate_size,
+            else intermediate,
             num_layers=cfg.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.layer_norm_eps if cohere else cfg.rms_norm_eps,
+            rms_norm_eps=cfg.layer_norm_eps if cohere else cfg.norm_eps if lfm2 else cfg.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position=cfg.max_position_embeddings,
@@ -419,6 +429,7 @@ class ModelSpec:
             logit_scale=_logit_scale(cfg) if cohere else None,
             rounded_rotary_tables=cohere,
             qk_norm_per_head=cohere_qk_norms,
+            **lfm2,
         )
 
 
@@ -438,6 +449,29 @@ def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
 def _full_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
     """The layers that attend to every position: EXAONE 4's hybrid models do not rotate them."""
     return tuple(i for i in range(cfg.num_hidden_layers) if sliding is not None and i not in sliding)
+
+
+def _lfm2_fields(cfg: Any) -> dict[str, Any]:
+    """LFM2's conv layers (``layer_types`` "conv"; the others "full_attention"), their filters'
+    taps and biases, and its MLP's width as transformers derives it: with
+    ``block_auto_adjust_ff_dim``, two thirds of ``intermediate_size``, times
+    ``block_ffn_dim_multiplier`` and rounded up to ``block_multiple_of`` if there is one."""
+    kinds = list(getattr(cfg, "layer_types", None) or ())
+    if len(kinds) != cfg.num_hidden_layers or set(kinds) - {"conv", "full_attention"}:
+        raise ModelError(f"layer_types {kinds!r} must name each of the {cfg.num_hidden_layers} layers "
+                         "`conv` or `full_attention`")
+    kernel = getattr(cfg, "conv_L_cache", 3)
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1:
+        raise ModelError(f"conv_L_cache {kernel!r} must be a positive integer")
+    size = cfg.intermediate_size
+    if getattr(cfg, "block_auto_adjust_ff_dim", False):
+        size = int(2 * size / 3)
+        multiplier = getattr(cfg, "block_ffn_dim_multiplier", None)
+        if multiplier is not None:
+            multiple = cfg.block_multiple_of
+            size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
+    return dict(conv_layers=tuple(i for i, kind in enumerate(kinds) if kind == "conv"), conv_kernel=kernel,
+                conv_bias=bool(getattr(cfg, "conv_bias", False)), intermediate_size=size)
 
 
 def _unwindowed_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -1032,8 +1066,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: _norm(spec, spec.hidden_size)  # noqa: E731
         self.input_layernorm = norm() if spec.input_norms else None
-        self.self_attn: Attention | LatentAttention
-        if spec.latent is not None:
+        self.self_attn: Attention | LatentAttention | ShortConv
+        if layer in spec.conv_layers:  # LFM2: a short convolution in attention's place
+            self.self_attn = ShortConv(spec.hidden_size, spec.conv_kernel, spec.conv_bias, layer)
+        elif spec.latent is not None:
             self.self_attn = LatentAttention(spec.hidden_size, spec.num_heads, spec.latent, spec.o_bias, layer,
                                              spec.attention_scale, lambda size: _norm(spec, size))
         else:
@@ -1179,7 +1215,9 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn = layer.self_attn
-            if isinstance(attn, LatentAttention):
+            if isinstance(attn, ShortConv):
+                attn.load(p + "conv.", weights)
+            elif isinstance(attn, LatentAttention):
                 attn.load(p + "self_attn.", weights, layout)
             else:
                 self._load_attention(attn, p, weights, reorder)
@@ -1189,7 +1227,7 @@ class CausalLM(nn.Module):
                 load_fused_mlp(layer.mlp, p + "shared_mlp.", weights)
             else:
                 load_mlp(layer.mlp, p + "mlp.", weights)
-            if spec.qk_norm:
+            if spec.qk_norm and not isinstance(attn, ShortConv):
                 for name in ("q_norm", "k_norm"):
                     norm = weights.take(p + f"self_attn.{name}.weight")
                     if layout is not None and spec.qk_norm_per_head:  # [heads, head_dim]

@@ -11,6 +11,7 @@ from router.bad_words import banned_tokens
 from router.engine import TokenLogprobs
 
 from .attention import AttentionMetadata, decode_mask, prefill_span
+from .conv import conv_windows
 from .kv_cache import KVCache
 from .model import CausalLM
 from .sampler import BatchSampler, RowSampling
@@ -59,6 +60,7 @@ class ModelRunner:
         # with use_sliding_window slide on some layers only).
         self.window = model.spec.sliding_window
         self.full_layers, self.window_layers = model.spec.mask_kinds
+        self.conv_kernel = model.spec.conv_kernel if model.spec.conv_layers else 0
         bs = kv.block_size
         self._offsets = torch.arange(bs, device=device)
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
@@ -80,6 +82,11 @@ class ModelRunner:
                 meta.decode_mask = decode_mask(lengths, context, None)
             if self.window_layers:
                 meta.decode_window_mask = decode_mask(lengths, context, self.window)
+        if self.conv_kernel:  # LFM2: every row's window of convolution inputs
+            tables = torch.tensor(rows.tables, dtype=torch.long).to(dev, non_blocking=True)
+            table_of = torch.tensor(rows.table_of, dtype=torch.long).to(dev, non_blocking=True)
+            positions = torch.tensor(rows.positions, dtype=torch.long).to(dev, non_blocking=True)
+            meta.conv_slots, meta.conv_valid = conv_windows(positions, tables, table_of, bs, self.conv_kernel)
         row = len(decode)
         for w in step.work[len(decode) :]:
             context = w.seq.num_computed + w.num_new

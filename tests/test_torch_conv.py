@@ -1,0 +1,176 @@
+"""LFM2: short convolution layers beside attention, their inputs kept in the paged cache a slot a
+token (:mod:`backends.torch.conv`). Greedy output and prompt logprobs against transformers (whose
+conv layers keep a recurrent state instead), what the cache does for these layers (prefix hits,
+preemption, cancelling), the windows' slots, the spec and what is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from backends.torch.conv import conv_windows
+from backends.torch.model import ModelError, ModelSpec
+from test_torch_engine import (
+    assert_greedy_matches_transformers, assert_prefix_hits_match_no_cache, engine_for, generate, random_prompts, run,
+)
+from test_torch_gemma import assert_prompt_logprobs_match_transformers, packed_torch_path_distance
+from torch_models import tiny_checkpoint, write_lora
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("lfm2") / "lfm2", "lfm2")
+
+
+def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(lfm2):
+    # Layers 0, 1 and 3 convolve, layer 2 attends; prompts of 5 to 40 tokens in 16-token steps
+    # over blocks of 4: windows that reach into earlier chunks and across blocks.
+    assert_greedy_matches_transformers(lfm2)
+
+
+@pytest.mark.parametrize("dtype,within", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3)])
+def test_prompt_logprobs_match_transformers(lfm2, dtype, within):
+    # Measured: 1.3e-6 in float32, 5e-7 in bfloat16 (the filters multiply out in float32 and
+    # round once, as transformers' conv1d does).
+    assert_prompt_logprobs_match_transformers(lfm2, dtype, within)
+
+
+def test_the_cache_holds_a_convolution_input_a_token_and_serves_prefix_hits(lfm2):
+    """A conv layer's cache is one head of hidden_size (64) numbers a token with no values; the
+    attention layer's keys and values are as usual. A second prompt sharing 32 tokens reports
+    them cached and gives the tokens an engine without the prefix cache gives: its windows read
+    the shared blocks' inputs."""
+    def inspect(engine):
+        kv = engine.kv
+        assert [tuple(k.shape[1:]) for k in kv.k] == [(1, 64), (1, 64), (2, 16), (1, 64)]
+        assert kv.v[0].shape[-1] == 0 and kv.v[2].data_ptr() != kv.k[2].data_ptr()
+        # 3 conv layers x 64 + keys and values of 2 heads x 16, a token; blocks of 4, float32
+        assert engine._block_bytes == 4 * (3 * 64 + 2 * 2 * 16) * 4
+        assert engine.runner.graphs is None
+
+    assert_prefix_hits_match_no_cache(lfm2, inspect)
+
+
+def test_preemption_and_cancelling_under_a_tiny_budget(lfm2):
+    """12 blocks of 4 tokens for 5 sequences growing to 5 to 11 blocks: preempted sequences
+    recompute their convolution inputs and still give their full outputs; every block is free
+    after, and after 30 requests cancelled mid-generation."""
+    prompts = random_prompts(9, (9, 17, 5, 21, 13))
+    lengths = [20, 12, 25, 8, 16]
+    block_bytes = 4 * (3 * 64 + 2 * 2 * 16) * 4
+
+    async def all_at_once(engine):
+        return await asyncio.gather(*(generate(engine, p, n) for p, n in zip(prompts, lengths)))
+
+    roomy = engine_for(lfm2, block_size=4, max_batched_tokens=16)
+    tight = engine_for(lfm2, block_size=4, max_batched_tokens=16, kv_cache_gb=12 * block_bytes / 2**30)
+    try:
+        assert tight.pool.num_blocks == 12
+        squeezed = run(all_at_once(tight))
+        assert tight.scheduler.preemptions > 0
+        assert [out for out, _ in squeezed] == [out for out, _ in run(all_at_once(roomy))]
+        assert tight.pool.num_used == 0
+
+        async def cancelled(engine, prompt):
+            task = asyncio.ensure_future(generate(engine, prompt, 200))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        async def many(engine):
+            await asyncio.gather(*(cancelled(engine, p) for p in random_prompts(3, [7, 15, 30] * 10)))
+
+        run(many(roomy))
+        for _ in range(100):  # the engine thread frees a cancelled sequence's blocks at its next step
+            if roomy.pool.num_used == 0:
+                break
+            run(asyncio.sleep(0.02))
+        assert roomy.pool.num_used == 0
+    finally:
+        run(tight.stop())
+        run(roomy.stop())
+
+
+def test_conv_windows_read_each_rows_positions_by_its_block_table():
+    # Two sequences, blocks of 4: rows at positions 0, 1, 5 of the first (blocks 7 and 2) and 9
+    # of the second (blocks 3, 8, 6).
+    tables = torch.tensor([[7, 2, 0], [3, 8, 6]])
+    positions, table_of = torch.tensor([0, 1, 5, 9]), torch.tensor([0, 0, 0, 1])
+    slots, valid = conv_windows(positions, tables, table_of, 4, 3)
+    assert valid.tolist() == [[False, False, True], [False, True, True], [True, True, True], [True, True, True]]
+    # positions p-2, p-1, p; those before the sequence read position 0's slot and are masked
+    assert slots.tolist() == [[28, 28, 28], [28, 28, 29], [31, 8, 9], [35, 24, 25]]
+
+
+def _config(**changes):
+    base = dict(model_type="lfm2", vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5,
+                rope_theta=1e6, tie_word_embeddings=True, conv_L_cache=3, conv_bias=False,
+                layer_types=["conv", "conv", "full_attention", "conv"], block_auto_adjust_ff_dim=True,
+                block_ffn_dim_multiplier=None, block_multiple_of=256)
+    return SimpleNamespace(**{**base, **changes})
+
+
+def test_lfm2_specs():
+    s = ModelSpec.from_hf_config(_config())
+    assert s.conv_layers == (0, 1, 3) and s.conv_kernel == 3 and not s.conv_bias and s.qk_norm
+    assert s.intermediate_size == 64 and s.rms_norm_eps == 1e-5
+    assert s.kv_entry(0) == dict(kv_heads=1, head_dim=64, values_in_keys=0)
+    assert s.kv_entry(2) == dict(kv_heads=2, head_dim=16, values_in_keys=None)
+    # LFM2-1.2B's MLP: 8192 * 2/3 = 5461, times 1.0, up to a multiple of 256: 5632
+    big = ModelSpec.from_hf_config(_config(intermediate_size=8192, block_ffn_dim_multiplier=1.0))
+    assert big.intermediate_size == 5632
+    assert ModelSpec.from_hf_config(_config(block_auto_adjust_ff_dim=False)).intermediate_size == 96
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"layer_types": ["conv", "mamba", "full_attention", "conv"]}, "layer_types .* must name each of the 4 layers"),
+    ({"layer_types": ["conv"] * 3}, "layer_types .* must name each of the 4 layers"),
+    ({"conv_L_cache": 0}, "conv_L_cache 0 must be a positive integer"),
+])
+def test_what_lfm2_configs_are_refused_for(changes, message):
+    with pytest.raises(ModelError, match=message):
+        ModelSpec.from_hf_config(_config(**changes))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_packed_formats_run_as_torch_operations(lfm2, fmt):
+    """The C step has no convolutions: under int8 and int4 the packed projections run as torch
+    operations, near the float engine (measured 0.002 int8, 0.02 int4)."""
+    assert packed_torch_path_distance(lfm2, fmt) < (0.05 if fmt == "int8" else 0.3)
+
+
+def test_adapters_and_draft_models_with_convolutions_are_refused(lfm2, tmp_path):
+    from transformers import AutoConfig
+
+    from backends.peft import AdapterError
+    from backends.torch import SpeculativeConfig
+    from backends.torch.lora import load_adapter
+
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(lfm2), local_files_only=True))
+    folder = write_lora(tmp_path / "a", lfm2, targets=("q_proj",))
+    with pytest.raises(AdapterError, match="adapters of a model with short convolutions .LFM2. are not supported"):
+        load_adapter("a", folder, spec, torch.float32, torch.device("cpu"))
+    target = tiny_checkpoint(tmp_path / "llama", "llama-plain")
+    with pytest.raises(ValueError, match="a draft model with short convolutions .LFM2. is not supported"):
+        engine_for(target, speculative_config=SpeculativeConfig(method="draft_model", model=str(lfm2),
+                                                                num_speculative_tokens=2))
+
+
+def test_a_filter_of_another_shape_is_refused(lfm2, tmp_path):
+    from backends.torch.loader import load_checkpoint
+    from backends.torch.model import CausalLM
+
+    folder = tmp_path / "bad"
+    shutil.copytree(lfm2, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["conv_L_cache"] = 4
+    (folder / "config.json").write_text(json.dumps(config))
+    ckpt = load_checkpoint(folder)
+    with pytest.raises(ModelError, match=r"conv.conv.weight` has shape \(64, 1, 3\), expected \(64, 1, 4\)"):
+        CausalLM.from_state_dict(ckpt.spec, 64, dict(ckpt.weights))

@@ -18,8 +18,11 @@ from backends.torch.model import ModelError, ModelSpec
 from test_torch_engine import (
     assert_greedy_matches_transformers, assert_prefix_hits_match_no_cache, engine_for, generate, random_prompts, run,
 )
-from test_torch_gemma import assert_prompt_logprobs_match_transformers, packed_torch_path_distance
-from torch_models import tiny_checkpoint, write_lora
+from test_torch_gemma import (
+    assert_prompt_logprobs_match_transformers, distance, engine_prompt_logprobs, hf_prompt_logprobs,
+    packed_torch_path_distance,
+)
+from torch_models import gguf_of, hf_greedy, tiny_checkpoint, write_lora
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +97,31 @@ def test_preemption_and_cancelling_under_a_tiny_budget(lfm2):
     finally:
         run(tight.stop())
         run(roomy.stop())
+
+
+def test_an_lfm2_gguf_file_on_the_torch_engine_and_on_llama_cpp(lfm2, tmp_path, monkeypatch):
+    """The same float32 GGUF file (laid out as llama.cpp's converter writes LFM2: its filters
+    [hidden, taps], a key-value head count a layer): the torch engine reads it through
+    transformers' GGUF reader, the llamacpp backend runs it in llama.cpp; both give
+    transformers' greedy tokens of the folder it was written from, and the torch engine its
+    logprobs within 1e-4 (measured 1.3e-6)."""
+    from backends.llamacpp.engine import LlamaCppEngine
+
+    monkeypatch.setenv("ROUTER_CACHE_DIR", str(tmp_path / "cache"))  # the converted folder
+    gguf = gguf_of(lfm2, tmp_path / "lfm2.gguf")
+    prompt, got = engine_prompt_logprobs(gguf)
+    assert distance(got, hf_prompt_logprobs(lfm2, prompt)) < 1e-4
+    prompts = random_prompts(2, (9, 21))
+    expected = [hf_greedy(lfm2, p, 12) for p in prompts]
+    torch_engine = engine_for(gguf, block_size=4, max_batched_tokens=16)
+    llama = LlamaCppEngine(str(gguf), n_ctx=256, n_threads=2, n_threads_batch=2, n_batch=64)
+    run(llama.start())
+    try:
+        assert [run(generate(torch_engine, p, 12))[0] for p in prompts] == expected
+        assert [run(generate(llama, p, 12))[0] for p in prompts] == expected
+    finally:
+        run(torch_engine.stop())
+        run(llama.stop())
 
 
 def test_conv_windows_read_each_rows_positions_by_its_block_table():

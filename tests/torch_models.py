@@ -382,9 +382,10 @@ _cache: dict[Path, object] = {}
 
 def gguf_of(folder: Path, out: Path) -> Path:
     """A float32 GGUF file of checkpoint ``folder`` (a ``tiny_checkpoint`` of ``llama-plain``,
-    ``qwen2`` or ``qwen3``), laid out as llama.cpp's converter writes it (the query and key rows
-    of a ``llama`` paired for its rotary embedding), with SmolLM2's tokenizer taken from its GGUF
-    file: llama.cpp then runs the very weights transformers runs."""
+    ``qwen2``, ``qwen3`` or ``lfm2``), laid out as llama.cpp's converter writes it (the query and
+    key rows of a ``llama`` paired for its rotary embedding; LFM2's key-value head count a layer,
+    0 on its conv layers, and its filters ``[hidden, taps]``), with SmolLM2's tokenizer taken
+    from its GGUF file: llama.cpp then runs the very weights transformers runs."""
     import gguf
     from safetensors.torch import load_file
 
@@ -396,14 +397,22 @@ def gguf_of(folder: Path, out: Path) -> Path:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    if arch != "lfm2":
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    lfm2 = arch == "lfm2"
+    if lfm2:
+        kinds = config["layer_types"]
+        writer.add_head_count_kv([kv_heads if kind == "full_attention" else 0 for kind in kinds])
+        writer.add_shortconv_l_cache(config["conv_L_cache"])
+        writer.add_feed_forward_length(engine_intermediate_size(folder))
+    else:
+        writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_layer_norm_rms_eps(config["norm_eps" if arch == "lfm2" else "rms_norm_eps"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     for key, field in gguf.GGUFReader(str(GGUF)).fields.items():
         if key.startswith("tokenizer."):
@@ -415,12 +424,23 @@ def gguf_of(folder: Path, out: Path) -> Path:
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = heads if "q_proj" in name else kv_heads
             array = array.reshape(n, 2, array.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(array.shape)
+        if lfm2 and name.endswith("conv.conv.weight"):
+            array = array[:, 0]
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def engine_intermediate_size(folder: Path) -> int:
+    """The MLP width the engine derives from ``folder``'s config (LFM2's adjusted one)."""
+    from transformers import AutoConfig
+
+    from backends.torch.model import ModelSpec
+
+    return ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder), local_files_only=True)).intermediate_size
 
 
 def _hf_model(folder: Path):

@@ -3,8 +3,8 @@
 An LFM2 conv layer projects each token to three vectors ``B``, ``C`` and ``x`` (``in_proj``),
 convolves ``B * x`` along the sequence, each channel with its own ``kernel``-tap filter (causal:
 a token sees itself and the ``kernel - 1`` tokens before it), multiplies the result by ``C``
-and projects it back (``out_proj``). Transformers keeps the last ``kernel - 1`` inputs of each
-sequence as a recurrent state.
+and projects it back (``out_proj``). Transformers and vLLM keep each sequence's last inputs as a
+recurrent state (``kernel`` of them, and ``kernel - 1``).
 
 Here a token's convolution input ``B * x`` is cached in its own slot, as a layer's keys are (one
 "head" of ``hidden_size`` numbers), and the filter reads the slots of the token's ``kernel``

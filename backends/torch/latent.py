@@ -10,12 +10,12 @@ bottleneck (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``): ``nope`` dimensions 
 
 The cache holds what transformers caches: per token and layer, the normalised latent and the
 rotated key, ``kv_rank + rope`` numbers (576 for DeepSeek-V3, where its expanded keys and values
-would take 2 x 128 heads x 192). Attention never expands them ("weight absorption", as vLLM's
+would take 128 heads x 192 and 128 x 128, 40,960). Attention never expands them ("weight absorption", as vLLM's
 MLA backends decode): head ``h``'s key part ``W_UK[h] c`` dotted with its query ``q`` is
 ``(W_UK[h]^T q) . c``, so each query head is carried into the latent's space once, and the
 attention is multi-query attention over one head of ``kv_rank + rope`` dimensions whose values
 are the latent itself; each head's output then goes back through ``W_UV[h]``. The same products
-as transformers' in another order: in float32 its logprobs within 2e-5.
+as transformers' in another order: in float32 its logprobs within 1.3e-6.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ import torch
 from torch import nn
 
 from .attention import AttentionMetadata, apply_rotary, paged_attention
+
+
+LATENT_NORM_EPS = 1e-6
+"""The epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``: DeepSeek's code and transformers build
+them with their norm's default whatever the config's ``rms_norm_eps`` (GLM-4.7-Flash's 1e-5)."""
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     for key, tensor in weights.items():
         if spec.is_moe and _MOE_KEY.search(key):
             raise fail(f"weight `{key}`: the experts, shared expert and router of a mixture of experts cannot be "
-                       "adapted (attention's projections can)")
+                       + ("adapted (attention's projections can)" if spec.latent is None else "adapted"))
         layer, module, side = peft.locate(key, targets, spec.num_layers)
         if spec.is_sparse(layer) and targets[module][0] in PROJECTIONS[2:]:
             raise fail(f"weight `{key}`: layer {layer}'s feed-forward block is a mixture of experts, which has no `{module}`")

@@ -37,7 +37,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, apply_rotary, paged_attention
 from .conv import ShortConv
-from .latent import LatentAttention, LatentShape, latent_scale
+from .latent import LATENT_NORM_EPS, LatentAttention, LatentShape, latent_scale
 from .moe import SparseMoE
 from .weights import WeightReader, load_fused_mlp, load_mlp
 
@@ -727,8 +727,8 @@ def _deepseek_v2_routing(cfg: Any) -> dict[str, Any]:
     """DeepSeek-V2's mixture of experts: softmax scores (float32 router), the best
     ``num_experts_per_tok`` (``topk_method`` "greedy"), or among the ``topk_group`` groups whose
     best expert scores highest ("group_limited_greedy"); weights times
-    ``routed_scaling_factor``, renormalised first with ``norm_topk_prob`` (as DeepSeek's code
-    and vLLM do; transformers ignores the key, and V2's releases set it false); ``n_shared_experts``
+    ``routed_scaling_factor``, renormalised first with ``norm_topk_prob`` (as vLLM does; DeepSeek's
+    code then leaves the factor out, transformers ignores the key; V2's releases set it false); ``n_shared_experts``
     experts of ``moe_intermediate_size`` added ungated; plain MLPs on the first
     ``first_k_dense_replace`` layers and off ``moe_layer_freq``."""
     experts, size = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -1071,7 +1071,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = ShortConv(spec.hidden_size, spec.conv_kernel, spec.conv_bias, layer)
         elif spec.latent is not None:
             self.self_attn = LatentAttention(spec.hidden_size, spec.num_heads, spec.latent, spec.o_bias, layer,
-                                             spec.attention_scale, lambda size: _norm(spec, size))
+                                             spec.attention_scale, lambda size: RMSNorm(size, LATENT_NORM_EPS))
         else:
             self.self_attn = Attention(spec, layer)
         # Llama's name for the MLP's input norm (Cohere's MLP reads the attention's input)

@@ -192,12 +192,19 @@ def test_olmoe_spec_and_its_clip_refused():
                                          clip_qkv=8.0))
 
 
-def test_the_language_model_of_a_mistral3_image_text_checkpoint(tmp_path):
-    """Ministral 3's releases are image-text checkpoints (``mistral3``): its language model is
-    served, with transformers' image-text model's own prompt logprobs and greedy output on text."""
+@pytest.mark.parametrize("arch", ["mistral3-mm", "qwen3-vl-mm", "qwen2_5-vl-mm"])
+def test_the_language_model_of_an_image_text_checkpoint(tmp_path, arch):
+    """Ministral 3's releases are image-text checkpoints (``mistral3``), and Qwen3-VL's and
+    Qwen2.5-VL's (the latter as their releases name its weights: ``model.layers`` beside
+    ``visual``): the language model is served, with transformers' image-text model's own prompt
+    logprobs (measured 1.2e-6 from them) and greedy output on text; the vision tower is never
+    read."""
     from transformers import AutoModelForImageTextToText
 
-    folder = tiny_checkpoint(tmp_path / "mm", "mistral3-mm")
+    from backends.torch.loader import load_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "mm", arch)
+    assert not any("visual" in key or "vision" in key for key in load_checkpoint(folder).weights)
     prompt = random_prompts(7, (60,))[0]
     prompts = random_prompts(1, (5, 23))
     engine = engine_for(folder, block_size=4, max_batched_tokens=16)
@@ -230,6 +237,25 @@ def test_ministral_specs_and_an_unsupported_language_model():
     assert [ministral.window_of(i) for i in range(3)] == [16, 16, 16]  # no layer_types (transformers 4): every layer
     with pytest.raises(ModelError, match="the language model of a `mistral3` checkpoint is a `pixtral`"):
         ModelSpec.from_hf_config(Mistral3Config(text_config={"model_type": "pixtral"}))
+
+
+def test_qwen_vl_specs():
+    """Qwen3-VL's language model is Qwen3's (query and key norms), Qwen2.5-VL's Qwen2's (q, k, v
+    biases); their multimodal rotary sections change nothing on text; whether the embeddings are
+    tied is the outer config's say."""
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+
+    text = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                                     "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    for tied in (True, False):
+        s = ModelSpec.from_hf_config(Qwen3VLConfig(text_config=text, tie_word_embeddings=tied))
+        assert s.qk_norm and not s.qkv_bias and s.tie_word_embeddings == tied and s.rope_theta == 5e6
+    # Qwen2.5-VL's releases say rope_scaling {"type": "mrope", ...}: the plain rotary on text.
+    text.pop("rope_parameters")
+    old = ModelSpec.from_hf_config(Qwen2_5_VLConfig(text_config={**text, "rope_scaling": {"type": "mrope",
+                                                                                        "mrope_section": [2, 3, 3]}}))
+    assert old.qkv_bias and not old.o_bias and not old.qk_norm and old.rope_scaling["rope_type"] == "default"
 
 
 @pytest.mark.parametrize("model_type,quant", [

@@ -184,17 +184,19 @@ def _lfm2_weight(key: str) -> str:
 
 
 _LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", ""))
+_TEXT_KEYS = ("lm_head.", "model.layers.", "model.embed_tokens.", "model.norm.")
 
 
 def _language_model_weight(key: str) -> str | None:
-    """An image-text checkpoint's (Gemma 3 from 4B up) weight by its language model's name, as a
-    text-only checkpoint names it (``language_model.model.layers.0...`` as saved,
-    ``model.language_model.layers.0...`` as transformers 5 holds it); None for the vision tower
-    and projector, which are never read."""
+    """An image-text checkpoint's (Gemma 3 from 4B up, Mistral 3, Qwen-VL) weight by its
+    language model's name, as a text-only checkpoint names it (``language_model.model.layers.0...``
+    as saved, ``model.language_model.layers.0...`` as transformers 5 holds it, ``model.layers.0...``
+    as Qwen2.5-VL's releases beside their ``visual.``); None for the vision tower and projector,
+    which are never read."""
     for prefix, name in _LANGUAGE_MODEL:
         if key.startswith(prefix):
             return name + key[len(prefix):]
-    return key if key.startswith("lm_head.") else None
+    return key if key.startswith(_TEXT_KEYS) else None
 
 
 INDEX = "model.safetensors.index.json"

@@ -166,9 +166,14 @@ class ModelSpec:
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
-                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2")
-    IMAGE_TEXT = ("gemma3", "mistral3")
+                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
+                 "qwen2_5_vl", "qwen3_vl")
+    IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
+    TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+    """Image-text checkpoints' language models that are one of ours by another name: Qwen2.5-VL's
+    and Qwen3-VL's, whose multimodal rotary (``mrope_section``) turns every section by the same
+    position on text, which is the plain rotary."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -283,10 +288,15 @@ class ModelSpec:
         if model_type not in cls.SUPPORTED:
             raise ModelError(f"model_type `{model_type}` is not supported; supported: {', '.join(cls.SUPPORTED)}")
         quantization = _quantization(cfg, model_type)
-        if model_type in cls.IMAGE_TEXT:  # Gemma 3 from 4B up, Mistral Small 3.1+: their language model
-            outer, cfg, model_type = model_type, cfg.text_config, cfg.text_config.model_type
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        if model_type in cls.IMAGE_TEXT:  # Gemma 3 from 4B up, Mistral Small 3.1+, Qwen-VL: their language model
+            outer, cfg = model_type, cfg.text_config
+            model_type = cls.TEXT_MODELS.get(cfg.model_type, cfg.model_type)
             if model_type not in cls.SUPPORTED or model_type in cls.IMAGE_TEXT:
-                raise ModelError(f"the language model of a `{outer}` checkpoint is a `{model_type}`, which is not supported")
+                raise ModelError(f"the language model of a `{outer}` checkpoint is a `{cfg.model_type}`, which is not supported")
+            # Qwen-VL says whether its embeddings are tied on the outer config (transformers 5
+            # moves an older text_config's flag there); the others on their language model's.
+            tied = tied if outer in ("qwen2_5_vl", "qwen3_vl") else bool(getattr(cfg, "tie_word_embeddings", False))
         gemma = model_type in cls.GEMMA
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
@@ -386,7 +396,7 @@ class ModelSpec:
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            tie_word_embeddings=tied,
             # Qwen2 always has q, k and v biases; Qwen2-MoE unless its config says qkv_bias false.
             qkv_bias=bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2" or use_bias
             or (model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),

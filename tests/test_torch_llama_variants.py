@@ -18,6 +18,7 @@ path, and what the configs say."""
 
 from __future__ import annotations
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -26,8 +27,8 @@ import torch
 from backends.torch.model import ModelError, ModelSpec
 from test_torch_engine import assert_greedy_matches_transformers, engine_for, generate_all, random_prompts, run
 from test_torch_gemma import (
-    assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, hf_prompt_logprobs,
-    packed_torch_path_distance, prompt_logprobs,
+    assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, engine_prompt_logprobs,
+    hf_prompt_logprobs, packed_torch_path_distance, prompt_logprobs,
 )
 from torch_models import tiny_checkpoint
 
@@ -192,11 +193,11 @@ def test_olmoe_spec_and_its_clip_refused():
                                          clip_qkv=8.0))
 
 
-@pytest.mark.parametrize("arch", ["mistral3-mm", "qwen3-vl-mm", "qwen2_5-vl-mm"])
+@pytest.mark.parametrize("arch", ["mistral3-mm", "qwen3-vl-mm", "qwen2_5-vl-mm", "qwen3-vl-moe-mm"])
 def test_the_language_model_of_an_image_text_checkpoint(tmp_path, arch):
-    """Ministral 3's releases are image-text checkpoints (``mistral3``), and Qwen3-VL's and
-    Qwen2.5-VL's (the latter as their releases name its weights: ``model.layers`` beside
-    ``visual``): the language model is served, with transformers' image-text model's own prompt
+    """Ministral 3's releases are image-text checkpoints (``mistral3``), and Qwen3-VL's (dense and
+    experts) and Qwen2.5-VL's (the latter as their releases name its weights: ``model.layers``
+    beside ``visual``): the language model is served, with transformers' image-text model's own prompt
     logprobs (measured 1.2e-6 from them) and greedy output on text; the vision tower is never
     read."""
     from transformers import AutoModelForImageTextToText
@@ -237,6 +238,24 @@ def test_ministral_specs_and_an_unsupported_language_model():
     assert [ministral.window_of(i) for i in range(3)] == [16, 16, 16]  # no layer_types (transformers 4): every layer
     with pytest.raises(ModelError, match="the language model of a `mistral3` checkpoint is a `pixtral`"):
         ModelSpec.from_hf_config(Mistral3Config(text_config={"model_type": "pixtral"}))
+
+
+def test_qwen3_vl_moe_experts_as_released_and_as_saved(tmp_path):
+    """Qwen3-VL-MoE's releases stack each layer's experts as [E, hidden, 2 x inter] and [E, inter,
+    hidden]; transformers saves them [E, 2 x inter, hidden] and [E, hidden, inter]. Both read to
+    the same model: the same prompt logprobs."""
+    from safetensors.torch import load_file, save_file
+
+    saved = tiny_checkpoint(tmp_path / "saved", "qwen3-vl-moe-mm")
+    released = tmp_path / "released"
+    shutil.copytree(saved, released)
+    state = load_file(str(saved / "model.safetensors"))
+    stacked = [key for key in state if key.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert stacked and all(state[key].shape[1] != state[key].shape[2] for key in stacked)
+    state.update({key: state[key].transpose(1, 2).contiguous() for key in stacked})
+    save_file(state, str(released / "model.safetensors"), metadata={"format": "pt"})
+    prompt, got = engine_prompt_logprobs(released)
+    assert engine_prompt_logprobs(saved) == (prompt, got)
 
 
 def test_qwen_vl_specs():

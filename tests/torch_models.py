@@ -280,7 +280,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         lfm2["norm_eps"] = lfm2.pop("rms_norm_eps")
         config = Lfm2Config(**lfm2, pad_token_id=0, conv_L_cache=3, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
                             block_auto_adjust_ff_dim=True, layer_types=["conv", "conv", "full_attention", "conv"])
-    elif arch in ("qwen3-vl-mm", "qwen2_5-vl-mm"):  # Qwen3-VL (Qwen3's attention, interleaved multimodal rotary
+    elif arch in ("qwen3-vl-mm", "qwen2_5-vl-mm", "qwen3-vl-moe-mm"):  # Qwen3-VL (Qwen3's attention, interleaved multimodal rotary
         # sections) and Qwen2.5-VL (Qwen2's, sections in turn), a tiny vision tower never read; tied embeddings
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64)
@@ -292,6 +292,15 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
             config = Qwen3VLConfig(text_config=text, vision_config={**vision, "num_position_embeddings": 64,
                                                                     "deepstack_visual_indexes": [0]},
                                    tie_word_embeddings=True, image_token_id=49151, video_token_id=49150)
+        elif arch == "qwen3-vl-moe-mm":  # its experts: 2 of 4 a token, renormalised, layer 1 sparse only
+            from transformers import Qwen3VLMoeConfig
+
+            text = dict(common, head_dim=16, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                        mlp_only_layers=[0], rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                              "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+            config = Qwen3VLMoeConfig(text_config=text, vision_config={**vision, "num_position_embeddings": 64,
+                                                                       "deepstack_visual_indexes": [0]},
+                                      image_token_id=49151, video_token_id=49150)
         else:
             from transformers import Qwen2_5_VLConfig
 
@@ -305,7 +314,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
-    if arch in ("gemma3-mm", "mistral3-mm", "qwen3-vl-mm", "qwen2_5-vl-mm"):
+    if arch in ("gemma3-mm", "mistral3-mm", "qwen3-vl-mm", "qwen2_5-vl-mm", "qwen3-vl-moe-mm"):
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

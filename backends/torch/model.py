@@ -103,6 +103,9 @@ class ModelSpec:
     # Layers of a MoE model with a plain MLP of intermediate_size instead (Qwen's mlp_only_layers
     # and decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
+    # Qwen3-VL's releases stack their experts' matrices as [E, in, out] (transformers transposes
+    # them as it loads, and saves them [E, out, in]); told apart by their shapes.
+    stacked_in_out: bool = False
     # Gemma. The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh form).
     activation: str = "silu"
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size); Granite: embedding_multiplier)
@@ -167,13 +170,13 @@ class ModelSpec:
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
-                 "qwen2_5_vl", "qwen3_vl")
-    IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl")
+                 "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
-    TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+    TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
     """Image-text checkpoints' language models that are one of ours by another name: Qwen2.5-VL's
-    and Qwen3-VL's, whose multimodal rotary (``mrope_section``) turns every section by the same
-    position on text, which is the plain rotary."""
+    and Qwen3-VL's (dense and experts), whose multimodal rotary (``mrope_section``) turns every
+    section by the same position on text, which is the plain rotary."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -296,7 +299,7 @@ class ModelSpec:
                 raise ModelError(f"the language model of a `{outer}` checkpoint is a `{cfg.model_type}`, which is not supported")
             # Qwen-VL says whether its embeddings are tied on the outer config (transformers 5
             # moves an older text_config's flag there); the others on their language model's.
-            tied = tied if outer in ("qwen2_5_vl", "qwen3_vl") else bool(getattr(cfg, "tie_word_embeddings", False))
+            tied = tied if outer.startswith("qwen") else bool(getattr(cfg, "tie_word_embeddings", False))
         gemma = model_type in cls.GEMMA
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
@@ -620,7 +623,9 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     if model_type == "mixtral":
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, True, ()
     elif model_type in ("qwen2_moe", "qwen3_moe"):
-        experts, size, normalize = cfg.num_experts, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob)
+        # Qwen3-VL's experts always renormalise (its config has no norm_topk_prob).
+        vl = getattr(cfg, "model_type", None) == "qwen3_vl_moe_text"
+        experts, size, normalize = cfg.num_experts, cfg.moe_intermediate_size, vl or bool(cfg.norm_topk_prob)
         step, only = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or ())
         dense = tuple(i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step)
     elif model_type == "olmoe":
@@ -647,6 +652,7 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     swiglu = (float(getattr(cfg, "swiglu_alpha", 1.702)), float(cfg.swiglu_limit)) if gpt_oss else None
     return dict(num_experts=experts, experts_per_token=top_k, expert_size=size, normalize_routing=normalize,
                 float_routing_weights=model_type == "mixtral", shared_expert_size=shared or 0, dense_layers=dense,
+                stacked_in_out=getattr(cfg, "model_type", None) == "qwen3_vl_moe_text",
                 router_bias=gpt_oss, softmax_top_k=model_type in ("gpt_oss", "granitemoe"),
                 expert_bias=gpt_oss, clamped_swiglu=swiglu)
 

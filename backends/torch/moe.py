@@ -41,6 +41,15 @@ ROUTERS = ("gate", "shared_expert_gate")
 ``ffn_gate_inp`` unquantized; they are a few thousand weights per layer."""
 
 
+def _out_in(stacked: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """Stacked experts' matrices as ``[E, out, in]``: transposed where they are ``[E, in, out]``
+    and not (square) both, as transformers tells them apart."""
+    out_in = (linear.out_features, linear.in_features)
+    if tuple(stacked.shape[1:]) != out_in and tuple(stacked.shape[1:]) == out_in[::-1]:
+        return stacked.transpose(1, 2)
+    return stacked
+
+
 class SparseMoE(nn.Module):
     """One layer's experts and their router; ``expert(size)`` builds one expert's MLP."""
 
@@ -52,6 +61,7 @@ class SparseMoE(nn.Module):
         self.softmax_top_k = spec.softmax_top_k
         self.sigmoid, self.groups, self.routed_scale = spec.sigmoid_routing, spec.expert_groups, spec.routed_scale
         self.groups_by_best = spec.groups_by_best
+        self.stacked_in_out = spec.stacked_in_out
         self.float_router = spec.float_router
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
         # DeepSeek-V3's e_score_correction_bias: added to the scores to choose experts only.
@@ -158,6 +168,8 @@ class SparseMoE(nn.Module):
             self._load_gpt_oss(moe, state)
         elif stacked is not None:
             gate_up, down = state.take(moe + stacked[0]), state.take(moe + stacked[1])
+            if self.stacked_in_out:  # Qwen3-VL's releases: [E, H, 2I] and [E, I, H]; as saved, [E, 2I, H]
+                gate_up, down = _out_in(gate_up, self.experts[0].gate_up_proj), _out_in(down, self.experts[0].down_proj)
             for name, matrices in zip(stacked, (gate_up, down)):
                 if matrices.shape[0] != self.num_experts:
                     raise state.error(f"`{moe}{name}` holds {matrices.shape[0]} experts, the config {self.num_experts}")

@@ -97,8 +97,9 @@ class DecodeGraphs:
         self.kv = kv
         self.device = device
         self.capture = capture
-        k = kv.k[0]
-        per_position = 2 * k.shape[1] * k.shape[2] * k.element_size()  # a key and a value
+        k, v = kv.k[0], kv.v[0]
+        # A key and a value (latent attention: one, the values a view of the keys)
+        per_position = (1 if v.data_ptr() == k.data_ptr() else 2) * k.shape[1] * k.shape[2] * k.element_size()
         # Key positions one graph may gather per layer (batch x context).
         self.max_gather = max_gather if max_gather is not None else GATHER_BYTES // per_position
         self.batches = batch_buckets(max_batch)

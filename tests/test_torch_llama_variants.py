@@ -193,11 +193,12 @@ def test_olmoe_spec_and_its_clip_refused():
                                          clip_qkv=8.0))
 
 
-@pytest.mark.parametrize("arch", ["mistral3-mm", "qwen3-vl-mm", "qwen2_5-vl-mm", "qwen3-vl-moe-mm"])
+@pytest.mark.parametrize("arch", ["mistral3-mm", "qwen3-vl-mm", "qwen2_5-vl-mm", "qwen3-vl-moe-mm", "glm4v-mm", "glm4v-moe-mm"])
 def test_the_language_model_of_an_image_text_checkpoint(tmp_path, arch):
     """Ministral 3's releases are image-text checkpoints (``mistral3``), and Qwen3-VL's (dense and
-    experts) and Qwen2.5-VL's (the latter as their releases name its weights: ``model.layers``
-    beside ``visual``): the language model is served, with transformers' image-text model's own prompt
+    experts), Qwen2.5-VL's (as their releases name its weights: ``model.layers`` beside
+    ``visual``), GLM-4.1V's (q/k/v biases its config does not mention) and GLM-4.5V's: the
+    language model is served, with transformers' image-text model's own prompt
     logprobs (measured 1.2e-6 from them) and greedy output on text; the vision tower is never
     read."""
     from transformers import AutoModelForImageTextToText

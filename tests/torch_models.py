@@ -308,13 +308,31 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
             vision.update(out_hidden_size=64, fullatt_block_indexes=[0], window_size=28)
             config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
                                       image_token_id=49151, video_token_id=49150)
+    elif arch in ("glm4v-mm", "glm4v-moe-mm"):  # GLM-4.1V (GLM-4's layers: half of each head rotating in adjacent
+        # pairs, q/k/v biases, output norms) and GLM-4.5V (GLM-4.5's: 2 of 4 experts by biased sigmoid scores
+        # after a dense layer, half of each head rotating in halves), a tiny vision tower never read
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, image_size=28,
+                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64)
+        rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5}
+        if arch == "glm4v-mm":
+            from transformers import Glm4vConfig
+
+            config = Glm4vConfig(text_config=dict(common, rope_parameters=rope), vision_config=vision,
+                                 image_token_id=49151, video_token_id=49150)
+        else:
+            from transformers import Glm4vMoeConfig
+
+            text = dict(common, head_dim=16, rope_parameters=rope, moe_intermediate_size=24, n_routed_experts=4,
+                        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.0, norm_topk_prob=True, attention_bias=True)
+            config = Glm4vMoeConfig(text_config=text, vision_config=vision, image_token_id=49151, video_token_id=49150)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
-    if arch in ("gemma3-mm", "mistral3-mm", "qwen3-vl-mm", "qwen2_5-vl-mm", "qwen3-vl-moe-mm"):
+    if arch.endswith("-mm"):
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

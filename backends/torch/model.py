@@ -170,13 +170,15 @@ class ModelSpec:
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
-                 "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-    IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+                 "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
+    IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
-    TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
-    """Image-text checkpoints' language models that are one of ours by another name: Qwen2.5-VL's
-    and Qwen3-VL's (dense and experts), whose multimodal rotary (``mrope_section``) turns every
-    section by the same position on text, which is the plain rotary."""
+    TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe",
+                   "glm4v_text": "glm4", "glm4v_moe_text": "glm4_moe"}
+    """Image-text checkpoints' language models that are one of ours by another name: Qwen2.5-VL's,
+    Qwen3-VL's (dense and experts) and GLM-4.1V's and 4.5V's, whose multimodal rotary
+    (``mrope_section``) turns every section by the same position on text, which is the plain
+    rotary. Their outer configs say whether the embeddings are tied."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -297,9 +299,9 @@ class ModelSpec:
             model_type = cls.TEXT_MODELS.get(cfg.model_type, cfg.model_type)
             if model_type not in cls.SUPPORTED or model_type in cls.IMAGE_TEXT:
                 raise ModelError(f"the language model of a `{outer}` checkpoint is a `{cfg.model_type}`, which is not supported")
-            # Qwen-VL says whether its embeddings are tied on the outer config (transformers 5
+            # Qwen-VL and GLM-4V say whether their embeddings are tied on the outer config (transformers 5
             # moves an older text_config's flag there); the others on their language model's.
-            tied = tied if outer.startswith("qwen") else bool(getattr(cfg, "tie_word_embeddings", False))
+            tied = tied if cfg.model_type in cls.TEXT_MODELS else bool(getattr(cfg, "tie_word_embeddings", False))
         gemma = model_type in cls.GEMMA
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
@@ -401,7 +403,9 @@ class ModelSpec:
             max_position=cfg.max_position_embeddings,
             tie_word_embeddings=tied,
             # Qwen2 always has q, k and v biases; Qwen2-MoE unless its config says qkv_bias false.
+            # GLM-4.1V's language model has them without saying so.
             qkv_bias=bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2" or use_bias
+            or getattr(cfg, "model_type", None) == "glm4v_text"
             or (model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)) or use_bias,
             sliding_window=window,

@@ -33,7 +33,8 @@ from test_torch_gemma import (
 from torch_models import tiny_checkpoint
 
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
-         "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2"]
+         "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2",
+         "hunyuan"]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # ungated; granite4: Granite 4's dense attention-only shape (its shared MLP as the MLP);
     # granite4-moe: experts and the shared MLP, no rotary anywhere; cohere: mean-centred norms,
     # parallel blocks, adjacent rotary pairs in float32, logits times 0.3, biases, per-head q/k
-    # norm weights; cohere2: layer 0 sliding over 8, layer 1 without rotary, logits times 0.5.
+    # norm weights; cohere2: layer 0 sliding over 8, layer 1 without rotary, logits times 0.5;
+    # hunyuan: per-head q/k norms after the rotary, whose base an NTK alpha of 1000 stretches.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -91,6 +93,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("cohere", {"logit_scale": 1.0}),
     ("cohere", {"use_qk_norm": False}),
     ("cohere2", {"layer_types": ["sliding_attention", "sliding_attention"]}),
+    ("hunyuan", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     ("ministral", {"layer_types": ["full_attention", "full_attention"]}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
@@ -309,11 +312,24 @@ def test_exaone4_and_seed_oss_specs():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_cohere_in_the_packed_formats_runs_as_torch_operations(checkpoints, fmt):
-    """The C step has no mean-centred norms nor parallel blocks: under int8 and int4 Cohere's
-    packed projections run as torch operations, near the float engine's logprobs (measured
-    0.002 int8, 0.02 int4)."""
-    assert packed_torch_path_distance(checkpoints["cohere"], fmt) < (0.05 if fmt == "int8" else 0.3)
+@pytest.mark.parametrize("arch", ["cohere", "hunyuan"])
+def test_what_the_c_step_lacks_runs_as_torch_operations(checkpoints, arch, fmt):
+    """The C step has no mean-centred norms nor parallel blocks (Cohere), nor query and key norms
+    after the rotary (Hunyuan): under int8 and int4 their packed projections run as torch
+    operations, near the float engine's logprobs (measured 0.002 and 0.014 int8, 0.02 and 0.17 int4)."""
+    assert packed_torch_path_distance(checkpoints[arch], fmt) < (0.05 if fmt == "int8" else 0.3)
+
+
+def test_hunyuan_specs():
+    # Hunyuan-7B's rope: "dynamic" with alpha 1000, a fixed base of theta * alpha ** (d / (d - 2));
+    # a plain "dynamic" (no alpha) is dynamic NTK as anywhere.
+    s = ModelSpec.from_hf_config(_config("hunyuan_v1_dense", head_dim=128, rope_parameters={
+        "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}))
+    assert s.rope_scaling is None and s.rope_theta == pytest.approx(10000.0 * 1000.0 ** (128 / 126))
+    assert s.qk_norm and s.qk_norm_after_rotary and not s.qk_norm_whole
+    plain = ModelSpec.from_hf_config(_config("hunyuan_v1_dense", rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    assert plain.rope_scaling["rope_type"] == "dynamic" and plain.rope_theta == 10000.0
 
 
 def test_cohere_specs():

@@ -326,6 +326,13 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                         num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                         routed_scaling_factor=2.0, norm_topk_prob=True, attention_bias=True)
             config = Glm4vMoeConfig(text_config=text, vision_config=vision, image_token_id=49151, video_token_id=49150)
+    elif arch == "hunyuan":  # Hunyuan (dense): per-head q/k norms after the rotary; "dynamic" rope with an alpha
+        # (a fixed NTK stretch of the base); biases on q, k, v and o
+        from transformers import HunYuanDenseV1Config
+
+        config = HunYuanDenseV1Config(**common, head_dim=16, attention_bias=True, pad_token_id=0,
+                                      rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                       "rope_theta": 10000.0})
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -342,8 +349,10 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for p in model.parameters():
             p.normal_(0.0, 0.2)  # large enough that logits are far from ties
         for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if name.endswith(("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
+                if arch == "hunyuan":
+                    p.mul_(3.0)  # after the rotary they set the scores' scale alone: sharper, so the rotary shows
             sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm", "exaone4",
                      "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2")
             if (arch in sharp or arch in LATENT_ARCHS) and name.endswith(

@@ -163,24 +163,34 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if isinstance(template, dict):
         template = template.get("default")
     rename = _language_model_weight if getattr(config, "text_config", None) is not None else None
-    if getattr(config, "model_type", None) == "lfm2":
-        rename = _lfm2_weight
+    if getattr(config, "model_type", None) in _RENAMED:
+        rename = _renamed(_RENAMED[config.model_type])
     return Checkpoint(spec, _safetensors_weights(path, rename), HFTokenizer(hf_tok, eos), template)
 
 
-_LFM2_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
-               (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
-               (".k_layernorm.", ".k_norm."), (".feed_forward.w1.", ".mlp.gate_proj."),
-               (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."))
+_RENAMED = {
+    # LFM2: its norms, o_proj, q/k norms, MLP and final norm (its conv layers keep their names)
+    "lfm2": ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+             (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
+             (".k_layernorm.", ".k_norm."), (".feed_forward.w1.", ".mlp.gate_proj."),
+             (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
+             ("model.embedding_norm.", "model.norm.")),
+    # Hunyuan: its query and key norms
+    "hunyuan_v1_dense": ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")),
+}
+"""Model types whose weights are read by the names a Llama checkpoint gives their counterparts:
+(theirs, ours) parts of a name."""
 
 
-def _lfm2_weight(key: str) -> str:
-    """An LFM2 weight by the name a Llama checkpoint gives its counterpart (its norms, o_proj,
-    q/k norms, MLP and final ``embedding_norm``); its conv layers' keep theirs."""
-    for theirs, ours in _LFM2_NAMES:
-        if theirs in key:
-            return key.replace(theirs, ours)
-    return key.replace("embedding_norm.", "norm.") if ".layers." not in key else key
+def _renamed(names: tuple[tuple[str, str], ...]) -> Callable[[str], str]:
+    """A weight's name with the first of ``names``' parts it holds replaced."""
+    def rename(key: str) -> str:
+        for theirs, ours in names:
+            if theirs in key:
+                return key.replace(theirs, ours)
+        return key
+
+    return rename
 
 
 _LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.", ""))

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
-Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Gemma 1/2/3,
+Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan, Gemma 1/2/3,
 and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2,
 and with multi-head latent attention (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with
@@ -156,6 +156,8 @@ class ModelSpec:
     logit_scale: float | None = None
     rounded_rotary_tables: bool = False
     qk_norm_per_head: bool = False
+    # Hunyuan: the per-head query and key norms come after the rotary, not before it.
+    qk_norm_after_rotary: bool = False
     # LFM2: the layers that are short convolutions (:mod:`.conv`) instead of attention, their
     # filters' taps (conv_L_cache) and whether they have biases (conv_bias).
     conv_layers: tuple[int, ...] = ()
@@ -170,7 +172,7 @@ class ModelSpec:
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
-                 "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
+                 "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense")
     IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe",
@@ -324,6 +326,10 @@ class ModelSpec:
         elif model_type == "gemma3_text":
             local = {"rope_theta": getattr(cfg, "rope_local_base_freq", 10000.0)}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        if model_type == "hunyuan_v1_dense" and rope.get("alpha") and rope.get("rope_type", rope.get("type")) == "dynamic":
+            # Hunyuan's "dynamic" with an alpha is a fixed NTK stretch of the base, as transformers
+            # reads it: theta * alpha ** (d / (d - 2)), whatever the sequence's length.
+            theta, rope = float(theta) * float(rope["alpha"]) ** (head_dim / (head_dim - 2)), {}
         scaling = _rope_scaling(rope, cfg)
         if local is None and model_type == "olmo3" and scaling is not None:
             # A flat rope_scaling (transformers 4's form) is the full layers' alone: OLMo 3's
@@ -375,7 +381,8 @@ class ModelSpec:
         lfm2 = _lfm2_fields(cfg) if model_type == "lfm2" else {}
         intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
         cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
-        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2") or whole_qk_norms or (
+        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2",
+                                  "hunyuan_v1_dense") or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
@@ -446,6 +453,7 @@ class ModelSpec:
             logit_scale=_logit_scale(cfg) if cohere else None,
             rounded_rotary_tables=cohere,
             qk_norm_per_head=cohere_qk_norms,
+            qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
             **lfm2,
         )
 
@@ -1019,6 +1027,7 @@ class Attention(nn.Module):
         self.sliding = spec.window_of(layer) is not None
         self.rotates = layer not in spec.nope_layers
         self.whole_qk_norm = spec.qk_norm_whole
+        self.norm_after_rotary = spec.qk_norm_after_rotary
         q_norm, k_norm = (self.q_size, self.kv_size) if self.whole_qk_norm else (spec.head_dim, spec.head_dim)
         if spec.qk_norm_per_head:  # Command R+: a weight of its own for every head
             q_norm, k_norm = (spec.num_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
@@ -1038,16 +1047,23 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view(n, -1, self.head_dim)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
-            if self.q_norm is not None:  # Qwen3, Gemma 3: each head normalised
-                qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+            if self.q_norm is not None and not self.norm_after_rotary:  # Qwen3, Gemma 3: each head normalised
+                qk = self._head_norms(qk)
         if self.rotates:  # q and k together: one set of ops for both (float32 tables: OLMo's, rounded once)
             qk = apply_rotary(qk, *rope, self.half).to(qkv.dtype)
+        if self.norm_after_rotary:  # Hunyuan: the rotated heads normalised
+            qk = self._head_norms(qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if q_scale is not None:
             q = q * q_scale
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
         return self.o_proj(out.reshape(n, self.q_size))
+
+    def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:
+        """Each query head through ``q_norm``, each key head through ``k_norm`` (``qk``: the
+        step's query heads, then its key heads)."""
+        return torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
 
 
 class MLP(nn.Module):

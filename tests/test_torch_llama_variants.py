@@ -34,7 +34,7 @@ from torch_models import tiny_checkpoint
 
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
          "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2",
-         "hunyuan"]
+         "hunyuan", "apertus"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # granite4-moe: experts and the shared MLP, no rotary anywhere; cohere: mean-centred norms,
     # parallel blocks, adjacent rotary pairs in float32, logits times 0.3, biases, per-head q/k
     # norm weights; cohere2: layer 0 sliding over 8, layer 1 without rotary, logits times 0.5;
-    # hunyuan: per-head q/k norms after the rotary, whose base an NTK alpha of 1000 stretches.
+    # hunyuan: per-head q/k norms after the rotary, whose base an NTK alpha of 1000 stretches;
+    # apertus: ungated MLPs through xIELU with slopes of their own, per-head q/k norms.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -312,12 +313,34 @@ def test_exaone4_and_seed_oss_specs():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["cohere", "hunyuan"])
+@pytest.mark.parametrize("arch", ["cohere", "hunyuan", "apertus"])
 def test_what_the_c_step_lacks_runs_as_torch_operations(checkpoints, arch, fmt):
-    """The C step has no mean-centred norms nor parallel blocks (Cohere), nor query and key norms
-    after the rotary (Hunyuan): under int8 and int4 their packed projections run as torch
-    operations, near the float engine's logprobs (measured 0.002 and 0.014 int8, 0.02 and 0.17 int4)."""
+    """The C step has no mean-centred norms nor parallel blocks (Cohere), no query and key norms
+    after the rotary (Hunyuan), no ungated xIELU MLPs (Apertus): under int8 and int4 their packed
+    projections run as torch operations, near the float engine's logprobs (measured 0.002, 0.014
+    and 0.009 int8, 0.02, 0.17 and 0.17 int4)."""
     assert packed_torch_path_distance(checkpoints[arch], fmt) < (0.05 if fmt == "int8" else 0.3)
+
+
+def test_apertus_specs_and_xielu():
+    """Apertus: xIELU with per-layer slopes, its MLP ungated; xIELU is read for Apertus only; a
+    checkpoint without the activation's beta and eps takes transformers' defaults."""
+    from transformers.activations import XIELUActivation
+
+    from backends.torch.model import XieluMLP
+
+    s = ModelSpec.from_hf_config(_config("apertus", hidden_act="xielu"))
+    assert s.activation == "xielu" and s.qk_norm and not s.qk_norm_after_rotary
+    with pytest.raises(ModelError, match="hidden_act `xielu` is not supported; supported: silu, gelu_pytorch_tanh"):
+        ModelSpec.from_hf_config(_config("llama", hidden_act="xielu"))
+    ref = XIELUActivation(alpha_p_init=0.6, alpha_n_init=1.1, dtype=torch.float32)
+    mlp = XieluMLP(4, 6)
+    with torch.no_grad():
+        mlp.up_proj.weight.copy_(torch.eye(6, 4))  # the first 4 channels are x itself
+        mlp.down_proj.weight.copy_(torch.eye(4, 6))
+        mlp.alpha_p.copy_(ref.alpha_p), mlp.alpha_n.copy_(ref.alpha_n), mlp.beta.fill_(0.5), mlp.eps.fill_(-1e-6)
+        x = torch.linspace(-6, 6, 400).view(100, 4)
+        assert torch.allclose(mlp(x), ref._xielu_python(x), atol=1e-6)
 
 
 def test_hunyuan_specs():

@@ -333,6 +333,13 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = HunYuanDenseV1Config(**common, head_dim=16, attention_bias=True, pad_token_id=0,
                                       rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                        "rope_theta": 10000.0})
+    elif arch == "apertus":  # Apertus: ungated MLPs with xIELU (slopes of their own a layer), per-head q/k norms,
+        # Llama 3's rope
+        from transformers import ApertusConfig
+
+        config = ApertusConfig(**common, head_dim=16, pad_token_id=0, rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 12e6})
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)

@@ -102,6 +102,8 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
         return "short convolutions (LFM2)"
     if spec.qk_norm_after_rotary:
         return "query and key norms after the rotary (Hunyuan)"
+    if spec.activation == "xielu":
+        return "ungated MLPs with xIELU (Apertus)"
     return None
 
 

@@ -177,6 +177,8 @@ _RENAMED = {
              ("model.embedding_norm.", "model.norm.")),
     # Hunyuan: its query and key norms
     "hunyuan_v1_dense": ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")),
+    # Apertus: its blocks' input norms
+    "apertus": ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm.")),
 }
 """Model types whose weights are read by the names a Llama checkpoint gives their counterparts:
 (theirs, ours) parts of a name."""

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
-Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan, Gemma 1/2/3,
+Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan, Apertus, Gemma 1/2/3,
 and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2,
 and with multi-head latent attention (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with
@@ -172,7 +172,7 @@ class ModelSpec:
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
-                 "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense")
+                 "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus")
     IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe",
@@ -182,7 +182,7 @@ class ModelSpec:
     (``mrope_section``) turns every section by the same position on text, which is the plain
     rotary. Their outer configs say whether the embeddings are tied."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
-    ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the config's name -> ours
+    ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu"}  # the config's name -> ours
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
     LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
@@ -310,8 +310,9 @@ class ModelSpec:
         act = (getattr(cfg, "hidden_activation", None) if gemma else None) or getattr(cfg, "hidden_act", "silu")
         if gemma and act == "gelu":
             act = "gelu_pytorch_tanh"  # Gemma's first releases say "gelu" and mean the tanh form, as transformers reads it
-        if act not in cls.ACTIVATIONS:
-            raise ModelError(f"hidden_act `{act}` is not supported; supported: {', '.join(cls.ACTIVATIONS)}")
+        if act not in cls.ACTIVATIONS or (act == "xielu") != (model_type == "apertus"):
+            supported = ", ".join(a for a in cls.ACTIVATIONS if a != "xielu")
+            raise ModelError(f"hidden_act `{act}` is not supported; supported: {supported} (xielu: Apertus's)")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         latent = LatentShape.of(cfg, ModelError) if model_type in cls.LATENT else None
@@ -382,7 +383,7 @@ class ModelSpec:
         intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
         cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
         qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2",
-                                  "hunyuan_v1_dense") or whole_qk_norms or (
+                                  "hunyuan_v1_dense", "apertus") or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
@@ -1066,6 +1067,39 @@ class Attention(nn.Module):
         return torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
 
 
+class XieluMLP(nn.Module):
+    """Apertus's MLP: ``down(xielu(up(x)))``, not gated, with xIELU (arXiv 2411.13010), whose two
+    slopes are learned per layer: ``alpha_p x^2 + beta x`` for positive ``x``, else
+    ``alpha_n (expm1(min(x, eps)) - x) + beta x``, ``alpha_p = softplus(a_p)``, ``alpha_n = beta +
+    softplus(a_n)``, in the model's dtype as transformers computes it."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.alpha_p = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.empty(()), requires_grad=False)
+        self.eps = nn.Parameter(torch.empty(()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.up_proj(x)
+        alpha_p, alpha_n = F.softplus(self.alpha_p), self.beta + F.softplus(self.alpha_n)
+        positive = alpha_p * x * x + self.beta * x
+        negative = (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x
+        return self.down_proj(torch.where(x > 0, positive, negative))
+
+    def load(self, prefix: str, weights: WeightReader) -> None:
+        """``prefix``: ``layers.N.mlp.``; the activation's slopes under ``act_fn.``, and its
+        ``beta`` and ``eps`` (transformers' defaults, 0.5 and -1e-6, where a checkpoint has none)."""
+        weights.copy(self.up_proj.weight, prefix + "up_proj.weight")
+        weights.copy(self.down_proj.weight, prefix + "down_proj.weight")
+        for name, default in (("alpha_p", None), ("alpha_n", None), ("beta", 0.5), ("eps", -1e-6)):
+            key = f"{prefix}act_fn.{name}"
+            value = torch.tensor(default) if default is not None and not weights.has(key) else None
+            weights.copy(getattr(self, name), key, value)
+
+
 class MLP(nn.Module):
     """A gated MLP, ``down(act(gate(x)) * up(x))`` with gate and up in one matmul: SwiGLU
     (``act`` SiLU), or Gemma's GeGLU (``activation="gelu_tanh"``: GELU's tanh form), or with
@@ -1116,8 +1150,10 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = norm() if spec.sandwich_norms else None
         self.mlp_out_norm = norm() if spec.sandwich_norms else None
         self.residual_scale = spec.residual_scale
-        self.mlp: MLP | SparseMoE
-        if spec.is_sparse(layer):
+        self.mlp: MLP | SparseMoE | XieluMLP
+        if spec.activation == "xielu":
+            self.mlp = XieluMLP(spec.hidden_size, spec.intermediate_size)
+        elif spec.is_sparse(layer):
             self.mlp = SparseMoE(spec, lambda size: MLP(
                 spec.hidden_size, size, spec.expert_bias, spec.activation, spec.clamped_swiglu
             ))
@@ -1259,6 +1295,8 @@ class CausalLM(nn.Module):
                 self._load_attention(attn, p, weights, reorder)
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.load(p, weights)
+            elif isinstance(layer.mlp, XieluMLP):
+                layer.mlp.load(p + "mlp.", weights)
             elif weights.has(p + "shared_mlp.input_linear.weight"):  # Granite 4's dense models: gate and up fused
                 load_fused_mlp(layer.mlp, p + "shared_mlp.", weights)
             else:

@@ -18,6 +18,7 @@ path, and what the configs say."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from types import SimpleNamespace
 
@@ -263,6 +264,22 @@ def test_qwen3_vl_moe_experts_as_released_and_as_saved(tmp_path):
     assert engine_prompt_logprobs(saved) == (prompt, got)
 
 
+def test_qwen2_5_vl_as_released_with_a_flat_config(tmp_path):
+    """Qwen2.5-VL's releases carry a flat config.json (the language model's keys at the top, no
+    text_config; rope_scaling {"type": "mrope"}) beside an LM head of their own: read as the
+    nested config transformers 5 saves, the same prompt logprobs."""
+    nested = tiny_checkpoint(tmp_path / "nested", "qwen2_5-vl-mm")
+    flat = tmp_path / "flat"
+    shutil.copytree(nested, flat)
+    config = json.loads((nested / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.pop("model_type")
+    config.update(text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (flat / "config.json").write_text(json.dumps(config))
+    assert engine_prompt_logprobs(flat) == engine_prompt_logprobs(nested)
+
+
 def test_qwen_vl_specs():
     """Qwen3-VL's language model is Qwen3's (query and key norms), Qwen2.5-VL's Qwen2's (q, k, v
     biases); their multimodal rotary sections change nothing on text; whether the embeddings are
@@ -341,6 +358,29 @@ def test_apertus_specs_and_xielu():
         mlp.alpha_p.copy_(ref.alpha_p), mlp.alpha_n.copy_(ref.alpha_n), mlp.beta.fill_(0.5), mlp.eps.fill_(-1e-6)
         x = torch.linspace(-6, 6, 400).view(100, 4)
         assert torch.allclose(mlp(x), ref._xielu_python(x), atol=1e-6)
+
+
+def test_a_config_or_tokenizer_of_custom_code_is_refused_by_name(checkpoints, tmp_path):
+    """Hunyuan's dense releases ship their tokenizer as custom code (``tokenization_hy.py``,
+    ``hy.tiktoken``, no tokenizer.json), as a config may be (Kimi K2's ``kimi_k2``): the engine
+    runs no checkpoint's code, and says so instead of transformers' question or a later failure."""
+    from backends.torch.loader import load_checkpoint
+
+    folder = tmp_path / "hy"
+    shutil.copytree(checkpoints["hunyuan"], folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "HYTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_hy.HYTokenizer", None]}}))
+    (folder / "tokenization_hy.py").write_text("raise SystemExit('never run')\n")
+    with pytest.raises(ValueError, match=r"its tokenizer \(`HYTokenizer`\) is custom code, which is not run; give the "
+                                         r"folder a tokenizer.json"):
+        load_checkpoint(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_kimi.KimiK2Config"})
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"its config \(`kimi_k2`\) is custom code, which is not run"):
+        load_checkpoint(folder)
 
 
 def test_hunyuan_specs():

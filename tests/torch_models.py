@@ -281,7 +281,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = Lfm2Config(**lfm2, pad_token_id=0, conv_L_cache=3, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
                             block_auto_adjust_ff_dim=True, layer_types=["conv", "conv", "full_attention", "conv"])
     elif arch in ("qwen3-vl-mm", "qwen2_5-vl-mm", "qwen3-vl-moe-mm"):  # Qwen3-VL (Qwen3's attention, interleaved multimodal rotary
-        # sections) and Qwen2.5-VL (Qwen2's, sections in turn), a tiny vision tower never read; tied embeddings
+        # sections; tied embeddings) and Qwen2.5-VL (Qwen2's, sections in turn; an LM head of its own), a tiny vision
+        # tower never read
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64)
         if arch == "qwen3-vl-mm":
@@ -306,7 +307,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
             text = dict(common, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
             vision.update(out_hidden_size=64, fullatt_block_indexes=[0], window_size=28)
-            config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+            config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
                                       image_token_id=49151, video_token_id=49150)
     elif arch in ("glm4v-mm", "glm4v-moe-mm"):  # GLM-4.1V (GLM-4's layers: half of each head rotating in adjacent
         # pairs, q/k/v biases, output norms) and GLM-4.5V (GLM-4.5's: 2 of 4 experts by biased sigmoid scores

@@ -12,6 +12,7 @@ the same file (same path, size and modification time) read that folder in about 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,7 +22,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -96,6 +97,25 @@ def gguf_architecture(path: Path) -> str | None:
     return head[at + 12 : at + 12 + size].decode("utf-8", "replace")
 
 
+@contextlib.contextmanager
+def _no_custom_code(path: Path, what: str, file: str) -> Iterator[None]:
+    """Refuse, by name, a folder whose ``what`` needs the folder's own Python code (``auto_map``),
+    which the engine never runs: transformers would ask whether to run it, or fail on its way."""
+    try:
+        yield
+    except ValueError as exc:
+        if "custom code" not in str(exc):
+            raise
+        try:
+            settings = json.loads((path / file).read_text())
+        except (OSError, ValueError):
+            settings = {}
+        name = settings.get("tokenizer_class") or settings.get("model_type") or "?"
+        advice = ("give the folder a tokenizer.json (a fast tokenizer converted from it)" if what == "tokenizer"
+                  else "the model is not one this engine runs")
+        raise ValueError(f"{path}: its {what} (`{name}`) is custom code, which is not run; {advice}") from None
+
+
 def _check_gguf_architecture(path: Path) -> None:
     arch = gguf_architecture(path)
     if arch in GGUF_REFUSED:
@@ -151,9 +171,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
             path = gguf_folder(path)
         if not path.is_dir():
             raise FileNotFoundError(f"no model folder or .gguf file at {path}")
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with _no_custom_code(path, "config", "config.json"):
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         spec = ModelSpec.from_hf_config(config)
-        hf_tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        with _no_custom_code(path, "tokenizer", "tokenizer_config.json"):
+            hf_tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     generation_eos = None
     gen_file = path / "generation_config.json"
     if gen_file.is_file():

@@ -301,8 +301,9 @@ class ModelSpec:
             model_type = cls.TEXT_MODELS.get(cfg.model_type, cfg.model_type)
             if model_type not in cls.SUPPORTED or model_type in cls.IMAGE_TEXT:
                 raise ModelError(f"the language model of a `{outer}` checkpoint is a `{cfg.model_type}`, which is not supported")
-            # Qwen-VL and GLM-4V say whether their embeddings are tied on the outer config (transformers 5
-            # moves an older text_config's flag there); the others on their language model's.
+            # Qwen-VL and GLM-4V say whether their embeddings are tied on the outer config (for
+            # Qwen2.5-VL and GLM-4V transformers 5 moves an older text_config's flag there); the
+            # others on their language model's.
             tied = tied if cfg.model_type in cls.TEXT_MODELS else bool(getattr(cfg, "tie_word_embeddings", False))
         gemma = model_type in cls.GEMMA
         if getattr(cfg, "use_bidirectional_attention", False):

@@ -192,8 +192,7 @@ def _draft_model(folder, max_catch_up, blocks=64, block_size=4):
     model = CausalLM.from_state_dict(spec, 256, ckpt.weights).eval()
 
     def cache():
-        return KVCache.allocate(spec.num_layers, blocks, block_size, spec.num_kv_heads, spec.head_dim,
-                                torch.float32, torch.device("cpu"))
+        return KVCache.for_model(spec, blocks, block_size, torch.float32, torch.device("cpu"))
 
     draft = DraftModel(model, cache(), ckpt.tokenizer.vocab_size, torch.device("cpu"), max_catch_up)
     return draft, BlockPool(blocks, block_size, prefix_caching=False), cache

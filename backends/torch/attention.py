@@ -79,8 +79,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim].
     ``v`` None: the values are the keys' first dimensions, which the value cache views (latent
-    attention: the output has the values' width); ``sliding``: the layer attends within the model's sliding window (the window masks);
-    ``softcap``: the scores' tanh cap, if any; ``sinks``: the sink logit of each head ``[heads]``."""
+    attention: the output has the values' width); ``sliding``: the layer attends within the
+    model's sliding window (the window masks); ``softcap``: the scores' tanh cap, if any; ``sinks``: the sink logit of each head ``[heads]``."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     if v is not None:
@@ -132,7 +132,7 @@ def _attend(
     return torch.matmul(probs.to(values.dtype), values)
 
 
-def _values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the value cache views the key cache's first dimensions (latent attention): the
     gathered keys then hold the values too, and are not gathered twice."""
     return v_cache.data_ptr() == k_cache.data_ptr()
@@ -146,7 +146,7 @@ def _decode(
     kv_heads, dim = k_cache.shape[1:]
     idx = meta.decode_slots.reshape(-1)
     keys = k_cache.index_select(0, idx).to(q.dtype).view(n, context, kv_heads, dim).transpose(1, 2)
-    if _values_in_keys(k_cache, v_cache):
+    if values_in_keys(k_cache, v_cache):
         values = keys[..., : v_cache.shape[-1]]
     else:
         values = v_cache.index_select(0, idx).to(q.dtype).view(n, context, kv_heads, -1).transpose(1, 2)
@@ -165,7 +165,7 @@ def _prefill(
     scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-    if _values_in_keys(k_cache, v_cache):
+    if values_in_keys(k_cache, v_cache):
         values = keys[..., : v_cache.shape[-1]]
     else:
         values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, values_in_keys
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import Step, StepRows
@@ -97,9 +97,9 @@ class DecodeGraphs:
         self.kv = kv
         self.device = device
         self.capture = capture
-        k, v = kv.k[0], kv.v[0]
+        k = kv.k[0]
         # A key and a value (latent attention: one, the values a view of the keys)
-        per_position = (1 if v.data_ptr() == k.data_ptr() else 2) * k.shape[1] * k.shape[2] * k.element_size()
+        per_position = (1 if values_in_keys(k, kv.v[0]) else 2) * k.shape[1] * k.shape[2] * k.element_size()
         # Key positions one graph may gather per layer (batch x context).
         self.max_gather = max_gather if max_gather is not None else GATHER_BYTES // per_position
         self.batches = batch_buckets(max_batch)

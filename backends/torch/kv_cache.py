@@ -2,8 +2,8 @@
 
 Keys and values live in one tensor pair per layer, ``[num_blocks * block_size, kv_heads,
 head_dim]`` (latent attention: one tensor, the values a view of the keys' first dimensions; a
-short convolution: its inputs alone). :class:`BlockPool` hands out block ids. A block that is full is identified by a hash
-chained over all tokens up to its end, so two requests sharing a prompt prefix share its blocks.
+short convolution: its inputs alone). :class:`BlockPool` hands out block ids. A block that is
+full is identified by a hash chained over all tokens up to its end, so two requests sharing a prompt prefix share its blocks.
 A released block keeps its contents and its hash until a new allocation needs the space (least
 recently used first): a later request with the same prefix finds it again.
 """
@@ -107,33 +107,12 @@ class KVCache:
     num_blocks: int
 
     @classmethod
-    def allocate(
-        cls,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> "KVCache":
-        """Zeroed keys and values of ``kv_heads`` heads of ``head_dim``, alike on every layer."""
-        entry = dict(kv_heads=kv_heads, head_dim=head_dim, values_in_keys=None)
-        return cls._of([entry] * num_layers, num_blocks, block_size, dtype, device)
-
-    @classmethod
     def for_model(cls, spec: "ModelSpec", num_blocks: int, block_size: int, dtype: torch.dtype,
                   device: torch.device) -> "KVCache":
         """Zeroed tensors for ``num_blocks`` blocks of each of ``spec``'s layers, shaped as the
         layer keeps a token (:meth:`.model.ModelSpec.kv_entry`)."""
-        entries = [spec.kv_entry(layer) for layer in range(spec.num_layers)]
-        return cls._of(entries, num_blocks, block_size, dtype, device)
-
-    @classmethod
-    def _of(cls, entries: list[dict], num_blocks: int, block_size: int, dtype: torch.dtype,
-            device: torch.device) -> "KVCache":
         k, v = [], []
-        for entry in entries:
+        for entry in map(spec.kv_entry, range(spec.num_layers)):
             keys = torch.zeros((num_blocks * block_size, entry["kv_heads"], entry["head_dim"]), dtype=dtype,
                                device=device)
             k.append(keys)

@@ -82,19 +82,18 @@ class ModelRunner:
                 meta.decode_mask = decode_mask(lengths, context, None)
             if self.window_layers:
                 meta.decode_window_mask = decode_mask(lengths, context, self.window)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
+        positions = as_tensor(rows.positions)
         if self.conv_kernel:  # LFM2: every row's window of convolution inputs
-            tables = torch.tensor(rows.tables, dtype=torch.long).to(dev, non_blocking=True)
-            table_of = torch.tensor(rows.table_of, dtype=torch.long).to(dev, non_blocking=True)
-            positions = torch.tensor(rows.positions, dtype=torch.long).to(dev, non_blocking=True)
-            meta.conv_slots, meta.conv_valid = conv_windows(positions, tables, table_of, bs, self.conv_kernel)
+            meta.conv_slots, meta.conv_valid = conv_windows(positions, as_tensor(rows.tables), as_tensor(rows.table_of),
+                                                            bs, self.conv_kernel)
         row = len(decode)
         for w in step.work[len(decode) :]:
             context = w.seq.num_computed + w.num_new
             meta.prefills.append(prefill_span(row, w.seq.block_table, w.num_new, context, self._offsets,
                                               self.full_layers, self.window_layers, self.window))
             row += w.num_new
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
-        return as_tensor(rows.ids), as_tensor(rows.positions), meta, as_tensor(rows.out_rows)
+        return as_tensor(rows.ids), positions, meta, as_tensor(rows.out_rows)
 
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:

@@ -1,9 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
-Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan, Apertus, Gemma 1/2/3,
-and the mixtures of experts Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2,
-and with multi-head latent attention (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with
-short convolutions (:mod:`.conv`)) as plain torch modules.
+Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
+Apertus, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
+Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
+(:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with short convolutions (:mod:`.conv`))
+as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -633,13 +633,12 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     those off ``decoder_sparse_step``, their experts of ``moe_intermediate_size``; OLMoE's
     every layer, experts of ``intermediate_size``, renormalised with ``norm_topk_prob``; gpt-oss's
     and Granite-MoE's every layer, experts of ``intermediate_size``, weighted by a softmax of
-    the top-k logits alone."""
+    the top-k logits alone. Qwen3-VL's (Qwen3-MoE's by another name) always renormalise."""
+    qwen3_vl = getattr(cfg, "model_type", None) == "qwen3_vl_moe_text"
     if model_type == "mixtral":
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, True, ()
     elif model_type in ("qwen2_moe", "qwen3_moe"):
-        # Qwen3-VL's experts always renormalise (its config has no norm_topk_prob).
-        vl = getattr(cfg, "model_type", None) == "qwen3_vl_moe_text"
-        experts, size, normalize = cfg.num_experts, cfg.moe_intermediate_size, vl or bool(cfg.norm_topk_prob)
+        experts, size, normalize = cfg.num_experts, cfg.moe_intermediate_size, qwen3_vl or bool(cfg.norm_topk_prob)
         step, only = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or ())
         dense = tuple(i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step)
     elif model_type == "olmoe":
@@ -666,7 +665,7 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     swiglu = (float(getattr(cfg, "swiglu_alpha", 1.702)), float(cfg.swiglu_limit)) if gpt_oss else None
     return dict(num_experts=experts, experts_per_token=top_k, expert_size=size, normalize_routing=normalize,
                 float_routing_weights=model_type == "mixtral", shared_expert_size=shared or 0, dense_layers=dense,
-                stacked_in_out=getattr(cfg, "model_type", None) == "qwen3_vl_moe_text",
+                stacked_in_out=qwen3_vl,
                 router_bias=gpt_oss, softmax_top_k=model_type in ("gpt_oss", "granitemoe"),
                 expert_bias=gpt_oss, clamped_swiglu=swiglu)
 
@@ -757,9 +756,9 @@ def _deepseek_v2_routing(cfg: Any) -> dict[str, Any]:
     """DeepSeek-V2's mixture of experts: softmax scores (float32 router), the best
     ``num_experts_per_tok`` (``topk_method`` "greedy"), or among the ``topk_group`` groups whose
     best expert scores highest ("group_limited_greedy"); weights times
-    ``routed_scaling_factor``, renormalised first with ``norm_topk_prob`` (as vLLM does; DeepSeek's
-    code then leaves the factor out, transformers ignores the key; V2's releases set it false); ``n_shared_experts``
-    experts of ``moe_intermediate_size`` added ungated; plain MLPs on the first
+    ``routed_scaling_factor``, renormalised first with ``norm_topk_prob`` (as vLLM does;
+    DeepSeek's code then leaves the factor out, transformers ignores the key; V2's releases set
+    it false); ``n_shared_experts`` experts of ``moe_intermediate_size`` added ungated; plain MLPs on the first
     ``first_k_dense_replace`` layers and off ``moe_layer_freq``."""
     experts, size = cfg.n_routed_experts, cfg.moe_intermediate_size
     method = getattr(cfg, "topk_method", "greedy") or "greedy"

@@ -5,9 +5,6 @@ preemption, cancelling), the windows' slots, the spec and what is refused."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -16,13 +13,14 @@ import torch
 from backends.torch.conv import conv_windows
 from backends.torch.model import ModelError, ModelSpec
 from test_torch_engine import (
-    assert_greedy_matches_transformers, assert_prefix_hits_match_no_cache, engine_for, generate, random_prompts, run,
+    assert_greedy_matches_transformers, assert_preemption_and_cancelling, assert_prefix_hits_match_no_cache, engine_for,
+    generate, random_prompts, run,
 )
 from test_torch_gemma import (
     assert_prompt_logprobs_match_transformers, distance, engine_prompt_logprobs, hf_prompt_logprobs,
     packed_torch_path_distance,
 )
-from torch_models import gguf_of, hf_greedy, tiny_checkpoint, write_lora
+from torch_models import assert_built_with_config_refused, gguf_of, hf_greedy, tiny_checkpoint, write_lora
 
 
 @pytest.fixture(scope="module")
@@ -63,37 +61,11 @@ def test_preemption_and_cancelling_under_a_tiny_budget(lfm2):
     """12 blocks of 4 tokens for 5 sequences growing to 5 to 11 blocks: preempted sequences
     recompute their convolution inputs and still give their full outputs; every block is free
     after, and after 30 requests cancelled mid-generation."""
-    prompts = random_prompts(9, (9, 17, 5, 21, 13))
-    lengths = [20, 12, 25, 8, 16]
     block_bytes = 4 * (3 * 64 + 2 * 2 * 16) * 4
-
-    async def all_at_once(engine):
-        return await asyncio.gather(*(generate(engine, p, n) for p, n in zip(prompts, lengths)))
-
     roomy = engine_for(lfm2, block_size=4, max_batched_tokens=16)
     tight = engine_for(lfm2, block_size=4, max_batched_tokens=16, kv_cache_gb=12 * block_bytes / 2**30)
     try:
-        assert tight.pool.num_blocks == 12
-        squeezed = run(all_at_once(tight))
-        assert tight.scheduler.preemptions > 0
-        assert [out for out, _ in squeezed] == [out for out, _ in run(all_at_once(roomy))]
-        assert tight.pool.num_used == 0
-
-        async def cancelled(engine, prompt):
-            task = asyncio.ensure_future(generate(engine, prompt, 200))
-            await asyncio.sleep(0.05)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-        async def many(engine):
-            await asyncio.gather(*(cancelled(engine, p) for p in random_prompts(3, [7, 15, 30] * 10)))
-
-        run(many(roomy))
-        for _ in range(100):  # the engine thread frees a cancelled sequence's blocks at its next step
-            if roomy.pool.num_used == 0:
-                break
-            run(asyncio.sleep(0.02))
-        assert roomy.pool.num_used == 0
+        assert_preemption_and_cancelling(roomy, tight)
     finally:
         run(tight.stop())
         run(roomy.stop())
@@ -191,14 +163,5 @@ def test_adapters_and_draft_models_with_convolutions_are_refused(lfm2, tmp_path)
 
 
 def test_a_filter_of_another_shape_is_refused(lfm2, tmp_path):
-    from backends.torch.loader import load_checkpoint
-    from backends.torch.model import CausalLM
-
-    folder = tmp_path / "bad"
-    shutil.copytree(lfm2, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["conv_L_cache"] = 4
-    (folder / "config.json").write_text(json.dumps(config))
-    ckpt = load_checkpoint(folder)
-    with pytest.raises(ModelError, match=r"conv.conv.weight` has shape \(64, 1, 3\), expected \(64, 1, 4\)"):
-        CausalLM.from_state_dict(ckpt.spec, 64, dict(ckpt.weights))
+    assert_built_with_config_refused(lfm2, tmp_path / "bad", {"conv_L_cache": 4},
+                                     r"conv.conv.weight` has shape \(64, 1, 3\), expected \(64, 1, 4\)")

@@ -10,7 +10,7 @@ import torch
 
 from backends.torch import TorchConfig
 from backends.torch.setup import build_engine
-from router.engine import EngineRequest, SamplingParams
+from router.engine import EngineError, EngineRequest, SamplingParams
 from torch_models import hf_greedy, hf_greedy_stepwise, smollm2_folder, tiny_checkpoint
 
 PROMPTS = [
@@ -80,6 +80,40 @@ def assert_prefix_hits_match_no_cache(folder, inspect=None):
     finally:
         run(engine.stop())
     assert cached == 32 and [first, second] == expected
+
+
+def assert_preemption_and_cancelling(roomy, tight, idle=lambda engine: engine.pool.num_used == 0):
+    """Five sequences growing to 5 to 11 blocks of 4 through ``tight`` (an engine of 12 such
+    blocks) and ``roomy``: the same outputs, with preemptions in the tight one; then 30 requests
+    cancelled mid-generation in the roomy one. ``idle``: whether an engine holds nothing (no
+    block in use) once its requests are done, checked after each."""
+    prompts = random_prompts(9, (9, 17, 5, 21, 13))
+    lengths = [20, 12, 25, 8, 16]
+
+    async def all_at_once(engine):
+        return await asyncio.gather(*(generate(engine, p, n) for p, n in zip(prompts, lengths)))
+
+    assert tight.pool.num_blocks == 12
+    squeezed = run(all_at_once(tight))
+    assert tight.scheduler.preemptions > 0
+    assert [out for out, _ in squeezed] == [out for out, _ in run(all_at_once(roomy))]
+    assert idle(tight)
+
+    async def cancelled(engine, prompt):
+        task = asyncio.ensure_future(generate(engine, prompt, 200))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def many(engine):
+        await asyncio.gather(*(cancelled(engine, p) for p in random_prompts(3, [7, 15, 30] * 10)))
+
+    run(many(roomy))
+    for _ in range(100):  # the engine thread frees a cancelled sequence at its next step
+        if idle(roomy):
+            break
+        run(asyncio.sleep(0.02))
+    assert idle(roomy)
 
 
 def small_steps_engine(folder, **options):
@@ -287,3 +321,21 @@ def test_stop_token_ids_min_tokens_and_logprobs(smol, smol_ids):
     assert steps[-1].finish_reason == "stop" and steps[-1].stop_token == stop
     lp = steps[0].logprobs[0]
     assert len(lp.top) == 2 and lp.top[0][0] == out[0] and lp.logprob == pytest.approx(lp.top[0][1])
+
+
+def test_a_failing_scheduler_fails_its_requests_instead_of_hanging_them(tmp_path):
+    """A bug outside a step (here: scheduling raises) ends the engine loop: the waiting request
+    gets an EngineError naming it, and later requests are refused, where they would wait forever."""
+    engine = engine_for(tiny_checkpoint(tmp_path / "llama", "llama-plain"))
+
+    def broken():
+        raise RuntimeError("a scheduling bug")
+
+    engine.scheduler.schedule = broken
+    try:
+        with pytest.raises(EngineError, match="the engine stopped: RuntimeError: a scheduling bug"):
+            run(asyncio.wait_for(generate(engine, [5, 6, 7], 4), 60))
+        with pytest.raises(EngineError, match="the engine is shutting down"):
+            run(generate(engine, [5, 6], 2))
+    finally:
+        run(engine.stop())

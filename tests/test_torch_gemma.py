@@ -15,7 +15,7 @@ from backends.torch.model import ModelError, ModelSpec
 from router.engine import EngineRequest, SamplingParams
 from test_torch_engine import assert_greedy_matches_transformers, engine_for, random_prompts, run, small_steps_engine
 from test_torch_packed import counting_decoder
-from torch_models import _hf_model, tiny_checkpoint
+from torch_models import _hf_model, hf_auto_class, tiny_checkpoint
 
 ARCHS = ["gemma", "gemma2", "gemma3", "gemma3-mm"]
 
@@ -61,9 +61,7 @@ def assert_prompt_logprobs_match_transformers(folder, dtype, within):
 def hf_prompt_logprobs(folder, prompt, dtype=torch.float32, **config):
     """transformers' forward over the prompt (float32 unless ``dtype``): each next prompt token's
     logprob. ``config``: changes to the checkpoint's config (what the engine must not ignore)."""
-    from transformers import AutoModelForCausalLM
-
-    model = _hf_model(folder) if not config and dtype == torch.float32 else AutoModelForCausalLM.from_pretrained(
+    model = _hf_model(folder) if not config and dtype == torch.float32 else hf_auto_class(folder).from_pretrained(
         str(folder), dtype=dtype, local_files_only=True, **config
     )
     with torch.no_grad():

@@ -341,6 +341,28 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = ApertusConfig(**common, head_dim=16, pad_token_id=0, rope_parameters={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64, "rope_theta": 12e6})
+    elif arch in ("qwen3_next", "qwen3_5-mm", "qwen3_5_moe-mm"):  # Gated DeltaNet layers (2 key heads of 8, 4 value
+        # heads of 12, 4 taps) beside gated attention with a quarter of each head rotating; Qwen3-Next's experts (2 of
+        # 4, a gated shared expert, layer 0 dense), Qwen3.5's dense MLPs or experts (its language model; tied)
+        delta = dict(common, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        if arch == "qwen3_next":
+            from transformers import Qwen3NextConfig
+
+            config = Qwen3NextConfig(**delta, **experts, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=False)
+        elif arch == "qwen3_5-mm":
+            from transformers import Qwen3_5Config
+
+            config = Qwen3_5Config(text_config=delta, vision_config=vision, tie_word_embeddings=True,
+                                   image_token_id=49151, video_token_id=49150)
+        else:
+            from transformers import Qwen3_5MoeConfig
+
+            config = Qwen3_5MoeConfig(text_config=dict(delta, **experts), vision_config=vision,
+                                      image_token_id=49151, video_token_id=49150)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -391,6 +413,22 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         if (src / name).exists():
             shutil.copy(src / name, folder / name)
     return folder
+
+
+def assert_built_with_config_refused(folder: Path, out: Path, changes: dict, message: str) -> None:
+    """A copy of ``folder`` with ``changes`` to its config loads, and building its model from
+    its weights raises a :class:`ModelError` matching ``message`` (the weights disagree)."""
+    import pytest
+
+    from backends.torch.loader import load_checkpoint
+    from backends.torch.model import CausalLM, ModelError
+
+    shutil.copytree(folder, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    ckpt = load_checkpoint(out)
+    with pytest.raises(ModelError, match=message):
+        CausalLM.from_state_dict(ckpt.spec, 64, dict(ckpt.weights))
 
 
 def _add_mtp_layer(file: Path, layers: int, ernie: bool = False) -> None:
@@ -506,11 +544,19 @@ def engine_intermediate_size(folder: Path) -> int:
     return ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder), local_files_only=True)).intermediate_size
 
 
-def _hf_model(folder: Path):
-    from transformers import AutoModelForCausalLM
+def hf_auto_class(folder: Path):
+    """The transformers auto class whose model of ``folder`` is the reference. Qwen3.5's
+    AutoModelForCausalLM is its language model alone, built from ``text_config``, which does not
+    say that the embeddings are tied: there the whole image-text model is."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    image_text = AutoConfig.from_pretrained(str(folder), local_files_only=True).model_type in ("qwen3_5", "qwen3_5_moe")
+    return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+
+
+def _hf_model(folder: Path):
     if folder not in _cache:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+        model = hf_auto_class(folder).from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
         model.generation_config.eos_token_id = None  # generate() merges its defaults back in
         _cache[folder] = model
     return _cache[folder]

@@ -26,6 +26,7 @@ the softmax as separate operations, as transformers' eager attention does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,10 @@ class AttentionMetadata:
     # [tokens, kernel] and which of them lie in its sequence.
     conv_slots: torch.Tensor | None = None
     conv_valid: torch.Tensor | None = None
+    # Models with linear attention (:mod:`.delta`): the per-sequence states (state.RecurrentState)
+    # and each sequence's slot in them, in the step's order (decoding ones, then each prefill's).
+    states: Any = None
+    state_slots: torch.Tensor | None = None
 
 
 CAPPED_SCORES = 1 << 22

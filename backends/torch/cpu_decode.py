@@ -100,6 +100,8 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
         return "Cohere's mean-centred norms and parallel blocks"
     if spec.conv_layers:
         return "short convolutions (LFM2)"
+    if spec.recurrent or spec.gated_attention:
+        return "linear attention and gated queries (Qwen3-Next, Qwen3.5)"
     if spec.qk_norm_after_rotary:
         return "query and key norms after the rotary (Hunyuan)"
     if spec.activation == "xielu":

@@ -33,12 +33,13 @@ from router.engine import (
 from .draft import DraftModel
 from .kv_cache import BlockPool, KVCache
 from .loader import Checkpoint
-from .model import CausalLM
+from .model import CausalLM, ModelSpec
 from .runner import ModelRunner
 from .sampler import BatchSampler
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .speculative import PREDICTION_ONLY, NgramOptions, NgramProposer
+from .state import RecurrentState, StateSlots
 
 log = logging.getLogger("router.torch")
 
@@ -136,12 +137,16 @@ class TorchEngine:
             # The static decode path builds no convolution windows (conv.conv_windows).
             log.info("torch engine: short convolutions (LFM2); decode steps run eagerly (no CUDA graphs)")
             options.decode_graphs = "off"
+        state_bytes = 0
+        if spec.recurrent:
+            self._recurrent_options(options)
+            state_bytes = self._state_slots(spec, options)
         kv_dtype = options.kv_dtype or options.dtype
         per_block = KVCache.bytes_per_block(spec, options.block_size, kv_dtype)
         draft = self._load_draft(checkpoint) if options.draft_model is not None else None
         if draft is not None:  # its keys and values take a share of every block's budget
             per_block += KVCache.bytes_per_block(draft.spec, options.block_size, kv_dtype)
-        num_blocks = max(1, options.kv_cache_bytes // per_block)
+        num_blocks = max(1, (options.kv_cache_bytes - state_bytes) // per_block)
         graphs = options.decode_graphs != "off"
         # Static decode steps need one block the pool never hands out (padding rows write there).
         pool_blocks = num_blocks - 1 if graphs else num_blocks
@@ -161,6 +166,10 @@ class TorchEngine:
         release_freed_memory()
         self.kv = KVCache.for_model(spec, num_blocks, options.block_size, kv_dtype, options.device)
         self.pool = BlockPool(pool_blocks, options.block_size, prefix_caching=options.prefix_caching)
+        self.states = None
+        if spec.recurrent:
+            self.states = RecurrentState.for_model(spec, options.max_num_seqs, options.dtype, options.device)
+        self._state_bytes = state_bytes
         # Without speculative_config the proposer drafts only from requests' predictions, and
         # not at all where decode steps replay CUDA graphs: a step with a draft runs eagerly,
         # every sequence in it, and one client's prediction should not slow everyone's steps.
@@ -176,7 +185,7 @@ class TorchEngine:
                                     options.device, max_catch_up=options.max_batched_tokens)
         elif options.speculative is not None:
             self.proposer = NgramProposer(options.speculative)
-        elif options.decode_graphs != "capture":
+        elif options.decode_graphs != "capture" and not spec.recurrent:
             self.proposer = NgramProposer(PREDICTION_ONLY, lookup=False)
         self.scheduler = Scheduler(
             self.pool,
@@ -185,6 +194,7 @@ class TorchEngine:
             proposer=self.proposer,
             eos_ids=self.tokenizer.eos_token_ids,
             draft_model=self.draft,
+            state_slots=StateSlots(options.max_num_seqs) if spec.recurrent else None,
         )
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
@@ -218,14 +228,50 @@ class TorchEngine:
                 decode_graphs.capture_all()
         self.runner = ModelRunner(
             self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids,
-            decoder=decoder, graphs=decode_graphs, adapters=self.adapters,
+            decoder=decoder, graphs=decode_graphs, adapters=self.adapters, states=self.states,
         )
+
+    @staticmethod
+    def _state_slots(spec: ModelSpec, options: EngineOptions) -> int:
+        """The bytes of ``options.max_num_seqs`` sequences' linear-attention states, out of the KV
+        budget. Where they would take all of it, ``max_num_seqs`` is lowered to what half of it
+        holds (vLLM's hybrid models too run as many sequences as their states' memory allows);
+        refused where that is not one."""
+        per_sequence = RecurrentState.bytes_for(spec, 1, options.dtype)
+        budget = options.kv_cache_bytes
+        if per_sequence * options.max_num_seqs >= budget:
+            fits = budget // 2 // per_sequence
+            if fits < 1:
+                raise ValueError(f"a sequence's linear-attention states take {per_sequence / 2**20:.1f} MiB, more than "
+                                 f"half the KV budget of {budget / 2**20:.1f} MiB: raise kv_cache_gb")
+            log.info("torch engine: the linear-attention states of max_num_seqs = %d sequences would take the whole "
+                     "KV budget; max_num_seqs lowered to %d (half of it)", options.max_num_seqs, fits)
+            options.max_num_seqs = fits
+        return per_sequence * options.max_num_seqs
+
+    @staticmethod
+    def _recurrent_options(options: EngineOptions) -> None:
+        """What a model with per-sequence states (linear attention) runs without: the prefix
+        cache (a block's tokens say nothing of the state before them), CUDA graphs, and draft
+        tokens (a rejected one would have moved the state on); speculative decoding is refused."""
+        if options.speculative is not None or options.draft_model is not None:
+            raise ValueError("speculative_config: speculative decoding is not supported for a model with "
+                             "linear-attention layers (Qwen3-Next, Qwen3.5)")
+        if options.prefix_caching:
+            log.info("torch engine: linear-attention layers keep a state per sequence; no prefix cache")
+            options.prefix_caching = False
+        if options.decode_graphs != "off":
+            log.info("torch engine: linear-attention layers; decode steps run eagerly (no CUDA graphs)")
+            options.decode_graphs = "off"
 
     def _load_draft(self, checkpoint: Checkpoint) -> Checkpoint:
         """The draft model's checkpoint; its tokenizer must be the model's (same vocabulary)."""
         from .loader import load_checkpoint
 
         draft = load_checkpoint(self.options.draft_model)
+        if draft.spec.recurrent:
+            raise ValueError(f"speculative_config.model ({self.options.draft_model}): a draft model with "
+                             "linear-attention layers is not supported")
         if draft.spec.conv_layers:
             raise ValueError(f"speculative_config.model ({self.options.draft_model}): a draft model with short "
                              "convolutions (LFM2) is not supported; its target model can use one without them")
@@ -382,6 +428,15 @@ class TorchEngine:
     def _loop(self) -> None:
         try:
             self._serve()
+        except Exception as exc:  # noqa: BLE001 - a bug outside a step (scheduling): fail, do not hang
+            log.exception("the engine loop failed; its requests fail and it takes no more")
+            with self._cv:
+                self._closing = True
+                pending, self._inbox = [*self.scheduler.sequences(), *self._inbox], []
+            out: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, EngineStep | BaseException]]] = defaultdict(list)
+            for seq in pending:
+                out[seq.loop].append((seq, EngineError(f"the engine stopped: {type(exc).__name__}: {exc}")))
+            self._post(out)
         finally:  # however the loop ends, nobody waits for a command forever
             with self._cv:
                 self._closing = True

@@ -263,7 +263,9 @@ def weight_files(folder: Path) -> list[Path]:
 
 def _safetensors_weights(folder: Path, rename: Callable[[str], str | None] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's weight files (:func:`weight_files`) by name; with ``rename``,
-    by the name it gives, leaving out (and never reading) those it gives None."""
+    by the name it gives, leaving out (and never reading) those it gives None. Multi-token
+    prediction layers (Qwen3-Next's and Qwen3.5's ``mtp.``), which the engine does not run, are
+    never read either."""
     from safetensors import safe_open
 
     files = weight_files(folder)
@@ -273,6 +275,8 @@ def _safetensors_weights(folder: Path, rename: Callable[[str], str | None] | Non
     for f in files:
         with safe_open(str(f), framework="pt") as reader:
             for key in reader.keys():
+                if key.startswith("mtp."):
+                    continue
                 name = rename(key) if rename is not None else key
                 if name is not None:
                     weights[name] = reader.get_tensor(key)

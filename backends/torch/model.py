@@ -2,8 +2,8 @@
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
 Apertus, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
 Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
-(:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with short convolutions (:mod:`.conv`))
-as plain torch modules.
+(:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with short convolutions (:mod:`.conv`);
+Qwen3-Next and Qwen3.5 with Gated DeltaNet linear attention (:mod:`.delta`)) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -37,6 +37,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, apply_rotary, paged_attention
 from .conv import ShortConv
+from .delta import DeltaShape, GatedDeltaNet
 from .latent import LATENT_NORM_EPS, LatentAttention, LatentShape, latent_scale
 from .moe import SparseMoE
 from .weights import WeightReader, load_fused_mlp, load_mlp
@@ -166,14 +167,22 @@ class ModelSpec:
     # DeepSeek-V2/V3's and GLM-4.7-Flash's multi-head latent attention (:mod:`.latent`); its
     # head_dim is the rotated part's (the rotary tables'), its scores' scale query_scale.
     latent: LatentShape | None = None
+    # Qwen3-Next and Qwen3.5: the layers that are Gated DeltaNet linear attention (:mod:`.delta`,
+    # a state per sequence instead of keys and values per token) and their sizes; the other
+    # layers' queries carry an output gate per head (gated_attention: out * sigmoid(gate)).
+    linear_layers: tuple[int, ...] = ()
+    delta: DeltaShape | None = None
+    gated_attention: bool = False
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
-                 "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus")
-    IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
+                 "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
+                 "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+    IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
+                  "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe",
                    "glm4v_text": "glm4", "glm4v_moe_text": "glm4_moe"}
@@ -187,17 +196,30 @@ class ModelSpec:
 
     LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
     """Model types whose attention is multi-head latent attention."""
+    GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+    """Model types with Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5's
+    language models); every norm scales by ``1 + weight``."""
+    OUTER_TIE = (*TEXT_MODELS, "qwen3_5_text", "qwen3_5_moe_text")
+    """Language models whose image-text config says whether the embeddings are tied."""
 
     def kv_entry(self, layer: int) -> dict[str, int | None]:
         """What one token keeps in ``layer``'s cache, as :class:`.kv_cache.KVCache` takes it:
         keys and values of ``kv_heads`` heads of ``head_dim``; under latent attention one head
         of the latent and the rotated key, the values its first ``values_in_keys`` dimensions;
-        a short convolution's input, one head of ``hidden_size`` (no values)."""
+        a short convolution's input, one head of ``hidden_size`` (no values); nothing for a
+        linear-attention layer."""
         if layer in self.conv_layers:
             return dict(kv_heads=1, head_dim=self.hidden_size, values_in_keys=0)
+        if layer in self.linear_layers:  # nothing a token: the layer's state is the sequence's (state.py)
+            return dict(kv_heads=0, head_dim=0, values_in_keys=None)
         if self.latent is not None:
             return dict(kv_heads=1, head_dim=self.latent.cache_dim, values_in_keys=self.latent.kv_rank)
         return dict(kv_heads=self.num_kv_heads, head_dim=self.head_dim, values_in_keys=None)
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a state per sequence (:mod:`.state`)."""
+        return bool(self.linear_layers)
 
     @property
     def is_moe(self) -> bool:
@@ -304,7 +326,7 @@ class ModelSpec:
             # Qwen-VL and GLM-4V say whether their embeddings are tied on the outer config (for
             # Qwen2.5-VL and GLM-4V transformers 5 moves an older text_config's flag there); the
             # others on their language model's.
-            tied = tied if cfg.model_type in cls.TEXT_MODELS else bool(getattr(cfg, "tie_word_embeddings", False))
+            tied = tied if cfg.model_type in cls.OUTER_TIE else bool(getattr(cfg, "tie_word_embeddings", False))
         gemma = model_type in cls.GEMMA
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
@@ -383,8 +405,9 @@ class ModelSpec:
         lfm2 = _lfm2_fields(cfg) if model_type == "lfm2" else {}
         intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
         cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
+        gated_delta = _gated_delta_fields(cfg) if model_type in cls.GATED_DELTA else {}
         qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2",
-                                  "hunyuan_v1_dense", "apertus") or whole_qk_norms or (
+                                  "hunyuan_v1_dense", "apertus", *cls.GATED_DELTA) or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
@@ -429,7 +452,7 @@ class ModelSpec:
             activation=cls.ACTIVATIONS[act],
             embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier"),
             embed_scale_rounded=gemma,
-            offset_norms=gemma,
+            offset_norms=gemma or bool(gated_delta),
             sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo or exaone,
             glm_norm_names=model_type == "glm4",
             input_norms=not (olmo or exaone),
@@ -457,6 +480,7 @@ class ModelSpec:
             qk_norm_per_head=cohere_qk_norms,
             qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
             **lfm2,
+            **gated_delta,
         )
 
 
@@ -499,6 +523,17 @@ def _lfm2_fields(cfg: Any) -> dict[str, Any]:
             size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
     return dict(conv_layers=tuple(i for i, kind in enumerate(kinds) if kind == "conv"), conv_kernel=kernel,
                 conv_bias=bool(getattr(cfg, "conv_bias", False)), intermediate_size=size)
+
+
+def _gated_delta_fields(cfg: Any) -> dict[str, Any]:
+    """Qwen3-Next's and Qwen3.5's linear-attention layers (``layer_types`` "linear_attention";
+    the others "full_attention", with gated queries) and their sizes."""
+    kinds = list(getattr(cfg, "layer_types", None) or ())
+    if len(kinds) != cfg.num_hidden_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ModelError(f"layer_types {kinds!r} must name each of the {cfg.num_hidden_layers} layers "
+                         "`linear_attention` or `full_attention`")
+    return dict(linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+                delta=DeltaShape.of(cfg, ModelError), gated_attention=True)
 
 
 def _unwindowed_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -633,12 +668,15 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     those off ``decoder_sparse_step``, their experts of ``moe_intermediate_size``; OLMoE's
     every layer, experts of ``intermediate_size``, renormalised with ``norm_topk_prob``; gpt-oss's
     and Granite-MoE's every layer, experts of ``intermediate_size``, weighted by a softmax of
-    the top-k logits alone. Qwen3-VL's (Qwen3-MoE's by another name) always renormalise."""
+    the top-k logits alone. Qwen3-Next's and Qwen3.5's are Qwen2-MoE's (with a gated shared
+    expert); Qwen3-VL's and Qwen3.5's (whose configs have no ``norm_topk_prob``) always renormalise."""
+    renormalised = getattr(cfg, "model_type", None) in ("qwen3_vl_moe_text", "qwen3_5_moe_text")
     qwen3_vl = getattr(cfg, "model_type", None) == "qwen3_vl_moe_text"
     if model_type == "mixtral":
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, True, ()
-    elif model_type in ("qwen2_moe", "qwen3_moe"):
-        experts, size, normalize = cfg.num_experts, cfg.moe_intermediate_size, qwen3_vl or bool(cfg.norm_topk_prob)
+    elif model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
+        experts, size = cfg.num_experts, cfg.moe_intermediate_size
+        normalize = renormalised or bool(cfg.norm_topk_prob)
         step, only = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or ())
         dense = tuple(i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step)
     elif model_type == "olmoe":
@@ -659,7 +697,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
     else:
         return {}
     top_k = _experts_per_token(cfg, experts)
-    shared = getattr(cfg, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    gated_shared = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")  # a shared expert behind a sigmoid gate
+    shared = getattr(cfg, "shared_expert_intermediate_size", 0) if model_type in gated_shared else 0
     gpt_oss = model_type == "gpt_oss"
     # transformers 4 kept gpt-oss's alpha in its code (1.702); 5 reads it from the config.
     swiglu = (float(getattr(cfg, "swiglu_alpha", 1.702)), float(cfg.swiglu_limit)) if gpt_oss else None
@@ -1019,8 +1058,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
+        # Qwen3-Next, Qwen3.5: a gate for every query dimension, after the values (out * sigmoid(gate)).
+        self.gate_size = self.q_size if spec.gated_attention else 0
         # q, k and v in one matmul: one pass over the activations instead of three.
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.scale = spec.attention_scale
         self.softcap = spec.attn_softcap
@@ -1057,9 +1098,12 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if q_scale is not None:
             q = q * q_scale
-        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = out.reshape(n, self.q_size)
+        if self.gate_size:
+            out = out * torch.sigmoid(qkv[:, -self.gate_size :])
+        return self.o_proj(out)
 
     def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:
         """Each query head through ``q_norm``, each key head through ``k_norm`` (``qk``: the
@@ -1136,9 +1180,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: _norm(spec, spec.hidden_size)  # noqa: E731
         self.input_layernorm = norm() if spec.input_norms else None
-        self.self_attn: Attention | LatentAttention | ShortConv
+        self.self_attn: Attention | LatentAttention | ShortConv | GatedDeltaNet
         if layer in spec.conv_layers:  # LFM2: a short convolution in attention's place
             self.self_attn = ShortConv(spec.hidden_size, spec.conv_kernel, spec.conv_bias, layer)
+        elif layer in spec.linear_layers:  # Qwen3-Next, Qwen3.5: linear attention
+            self.self_attn = GatedDeltaNet(spec.hidden_size, spec.delta, spec.rms_norm_eps, layer)
         elif spec.latent is not None:
             self.self_attn = LatentAttention(spec.hidden_size, spec.num_heads, spec.latent, spec.o_bias, layer,
                                              spec.attention_scale, lambda size: RMSNorm(size, LATENT_NORM_EPS))
@@ -1289,6 +1335,8 @@ class CausalLM(nn.Module):
             attn = layer.self_attn
             if isinstance(attn, ShortConv):
                 attn.load(p + "conv.", weights)
+            elif isinstance(attn, GatedDeltaNet):
+                attn.load(p + "linear_attn.", weights)
             elif isinstance(attn, LatentAttention):
                 attn.load(p + "self_attn.", weights, layout)
             else:
@@ -1301,7 +1349,7 @@ class CausalLM(nn.Module):
                 load_fused_mlp(layer.mlp, p + "shared_mlp.", weights)
             else:
                 load_mlp(layer.mlp, p + "mlp.", weights)
-            if spec.qk_norm and not isinstance(attn, ShortConv):
+            if spec.qk_norm and isinstance(attn, Attention):
                 for name in ("q_norm", "k_norm"):
                     norm = weights.take(p + f"self_attn.{name}.weight")
                     if layout is not None and spec.qk_norm_per_head:  # [heads, head_dim]
@@ -1346,18 +1394,31 @@ class CausalLM(nn.Module):
         """Layer ``p``'s q, k, v (fused, their rotated rows moved by ``reorder``), o and sinks."""
         spec = self.spec
         fused = p + "self_attn.qkv_proj.weight"  # Phi-3 stores q, k and v as one matrix, as we do
-        qkv = weights.take(fused) if weights.has(fused) else torch.cat(
-            [weights.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        )
-        weights.copy(attn.qkv_proj.weight, fused, reorder(qkv))
+        if weights.has(fused):
+            qkv = reorder(weights.take(fused))
+        else:
+            qkv = self._gated(attn, [weights.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], reorder)
+        weights.copy(attn.qkv_proj.weight, fused, qkv)
         if spec.qkv_bias:
-            bias = torch.cat([weights.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            weights.copy(attn.qkv_proj.bias, p + "qkv bias", reorder(bias))
+            bias = self._gated(attn, [weights.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], reorder)
+            weights.copy(attn.qkv_proj.bias, p + "qkv bias", bias)
         weights.copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
         if spec.o_bias:
             weights.copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
         if attn.sinks is not None:
             weights.copy(attn.sinks, p + "self_attn.sinks")
+
+
+    @staticmethod
+    def _gated(attn: Attention, qkv: list[torch.Tensor], reorder: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """q, k and v's rows as one (their rotated rows moved by ``reorder``), then the gates';
+        a gated checkpoint's q_proj holds each head's query rows, then that head's gate rows."""
+        gate = None
+        if attn.gate_size:
+            heads = qkv[0].view(attn.num_heads, 2, attn.head_dim, *qkv[0].shape[1:])
+            qkv[0], gate = heads[:, 0].flatten(0, 1), heads[:, 1].flatten(0, 1)
+        merged = reorder(torch.cat(qkv))
+        return merged if gate is None else torch.cat((merged, gate))
 
 
 def _layer_of(key: str) -> int:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .cpu_decode import CpuDecoder
     from .graphs import DecodeGraphs
     from .lora import Adapters
+    from .state import RecurrentState
 
 
 @dataclass(slots=True)
@@ -47,8 +48,10 @@ class ModelRunner:
         decoder: CpuDecoder | None = None,
         graphs: DecodeGraphs | None = None,
         adapters: Adapters | None = None,
+        states: RecurrentState | None = None,
     ) -> None:
         self.model = model
+        self.states = states  # linear attention's per-sequence states (state.py); None: no such layers
         self.decoder = decoder  # the packed formats' one C call for steps that decode or compute short prompts
         self.graphs = graphs  # decode-only steps on static buffers (CUDA graphs)
         self.adapters = adapters  # LoRA: which rows of a step use which adapter (lora.py)
@@ -87,6 +90,12 @@ class ModelRunner:
         if self.conv_kernel:  # LFM2: every row's window of convolution inputs
             meta.conv_slots, meta.conv_valid = conv_windows(positions, as_tensor(rows.tables), as_tensor(rows.table_of),
                                                             bs, self.conv_kernel)
+        if self.states is not None:  # each sequence's state slot, zeroed where it starts from its first token
+            meta.states = self.states
+            meta.state_slots = as_tensor([w.seq.state_slot for w in step.work])
+            fresh = [w.seq.state_slot for w in step.work if w.seq.num_computed == 0]
+            if fresh:
+                self.states.reset(as_tensor(fresh))
         row = len(decode)
         for w in step.work[len(decode) :]:
             context = w.seq.num_computed + w.num_new

@@ -21,6 +21,7 @@ from .speculative import NgramProposer, token_array
 
 if TYPE_CHECKING:
     from .draft import DraftModel
+    from .state import StateSlots
 
 log = logging.getLogger("router.torch")
 
@@ -118,8 +119,11 @@ class Scheduler:
         proposer: NgramProposer | None = None,
         eos_ids: frozenset[int] = frozenset(),
         draft_model: DraftModel | None = None,
+        state_slots: StateSlots | None = None,
     ) -> None:
         self.pool = pool
+        # Linear attention (state.py): a state slot for every running sequence, max_num_seqs of them.
+        self.state_slots = state_slots
         self.proposer = proposer  # speculative decoding: drafts for decoding sequences
         self.draft_model = draft_model  # guesses where the proposer has none (draft.py)
         self.eos_ids = eos_ids  # drafts stop before an end token (see _draft)
@@ -149,13 +153,20 @@ class Scheduler:
         """Remove a sequence (done or aborted) and free its blocks at once."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        seq.release(self.pool)
+        self._release(seq)
         seq.status = Status.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks and its state slot."""
+        seq.release(self.pool)
+        if seq.state_slot is not None:
+            self.state_slots.give(seq.state_slot)
+            seq.state_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.preemptions += 1
         self.running.remove(seq)
-        seq.release(self.pool)
+        self._release(seq)
         self.add(seq)
 
     def schedule(self) -> Step:
@@ -338,6 +349,8 @@ class Scheduler:
             seq.cached_tokens = hits
         self._scoring -= len(seq.scoring(num_new))
         seq.grow(self.pool, num_new)
+        if self.state_slots is not None:  # free: fewer than max_num_seqs run
+            seq.state_slot = self.state_slots.take()
         seq.status = Status.RUNNING
         self.running.append(seq)
         step.work.append(Scheduled(seq, num_new))

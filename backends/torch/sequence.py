@@ -39,6 +39,7 @@ class Sequence:
         self.tokens: list[int] = list(request.prompt_ids)
         self.num_prompt = len(self.tokens)
         self.num_computed = 0  # tokens whose keys and values are in the cache
+        self.state_slot: int | None = None  # linear attention's state (state.py), while running
         self.block_table: list[int] = []
         self._hashes: list[int] = []  # chain hash of each full block of `tokens`
         self.adapter = adapter  # the LoRA adapter's index (lora.Adapters); 0: the base model

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from backends.torch.delta import DeltaShape, delta_rule_chunked, delta_rule_step
+from backends.torch.graphs import DecodeGraphs
 from backends.torch.model import ModelError, ModelSpec
 from backends.torch.state import RecurrentState, StateSlots
 from test_torch_engine import (
@@ -125,6 +126,9 @@ def test_states_are_slots_of_the_running_sequences_and_no_prefix_cache(next_fold
         assert engine.pool.num_blocks == (int(0.05 * 2**30) - engine._state_bytes) // engine._block_bytes
         assert engine.states.ssm[2] is None and tuple(engine.states.ssm[0].shape) == (3, 4, 8, 12)
         assert engine.runner.graphs is None and engine.proposer is None and not engine.pool.prefix_caching
+        assert "lora_adapters" not in engine.capabilities and engine.stats()["state_bytes"] == engine._state_bytes
+        with pytest.raises(ValueError, match="decode graphs do not run models with linear-attention layers"):
+            DecodeGraphs(engine.model, kv, max_batch=2, max_blocks=4, scratch_block=0, capture=False)
         shared = random_prompts(5, (32,))[0]
         prompts = [shared + [11, 12, 13], shared + [14, 15]]
         results = [run(generate(engine, p, 10)) for p in prompts]
@@ -241,6 +245,7 @@ def test_qwen3_next_and_qwen3_5_specs():
     ({"layer_types": ["linear_attention", "mamba", "full_attention", "linear_attention"]},
      "layer_types .* must name each of the 4 layers `linear_attention` or `full_attention`"),
     ({"layer_types": ["linear_attention"] * 3}, "layer_types .* must name each of the 4 layers"),
+    ({"layer_types": ["linear_attention"] * 4}, "names no `full_attention` layer; a model of linear attention alone"),
     ({"linear_num_value_heads": 3}, "linear_num_value_heads 3 must be a multiple of linear_num_key_heads 2"),
     ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim 0 must be a positive integer"),
     ({"linear_key_head_dim": None}, "linear_key_head_dim None must be a positive integer"),
@@ -278,6 +283,10 @@ def test_adapters_speculative_decoding_and_recurrent_draft_models_are_refused(ne
                                                                 num_speculative_tokens=2))
 
 
-def test_a_filter_of_another_shape_is_refused(next_folder, tmp_path):
-    assert_built_with_config_refused(next_folder, tmp_path / "bad", {"linear_conv_kernel_dim": 3},
-                                     r"linear_attn.conv1d.weight` has shape \(80, 1, 4\), expected \(80, 1, 3\)")
+@pytest.mark.parametrize("changes,message", [
+    ({"linear_conv_kernel_dim": 3}, r"linear_attn.conv1d.weight` has shape \(80, 1, 4\), expected \(80, 1, 3\)"),
+    # 2 x 16 + 2 x 40 rows where the checkpoint has 2 x 16 + 2 x 48
+    ({"linear_value_head_dim": 10}, r"linear_attn.in_proj_qkvz.weight` has 128 rows; the config's linear_\* sizes make 112"),
+])
+def test_weights_of_other_shapes_than_the_config_are_refused(next_folder, tmp_path, changes, message):
+    assert_built_with_config_refused(next_folder, tmp_path / "bad", changes, message)

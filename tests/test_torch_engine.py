@@ -323,15 +323,17 @@ def test_stop_token_ids_min_tokens_and_logprobs(smol, smol_ids):
     assert len(lp.top) == 2 and lp.top[0][0] == out[0] and lp.logprob == pytest.approx(lp.top[0][1])
 
 
-def test_a_failing_scheduler_fails_its_requests_instead_of_hanging_them(tmp_path):
-    """A bug outside a step (here: scheduling raises) ends the engine loop: the waiting request
-    gets an EngineError naming it, and later requests are refused, where they would wait forever."""
+@pytest.mark.parametrize("method", ["schedule", "add"])
+def test_a_failing_scheduler_fails_its_requests_instead_of_hanging_them(tmp_path, method):
+    """A bug outside a step (here: scheduling, or taking in a new request, raises) ends the
+    engine loop: the waiting request gets an EngineError naming it, and later requests are
+    refused, where they would wait forever."""
     engine = engine_for(tiny_checkpoint(tmp_path / "llama", "llama-plain"))
 
-    def broken():
+    def broken(*args):
         raise RuntimeError("a scheduling bug")
 
-    engine.scheduler.schedule = broken
+    setattr(engine.scheduler, method, broken)
     try:
         with pytest.raises(EngineError, match="the engine stopped: RuntimeError: a scheduling bug"):
             run(asyncio.wait_for(generate(engine, [5, 6, 7], 4), 60))

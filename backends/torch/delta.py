@@ -170,12 +170,13 @@ class GatedDeltaNet(nn.Module):
         key, values and z's; its b's and a's), the filters, ``dt_bias``, ``A_log``, the norm."""
         s = self.shape
         if weights.has(prefix + "in_proj_qkvz.weight"):
-            group = s.value_heads // s.key_heads
-            qkvz = weights.take(prefix + "in_proj_qkvz.weight").view(s.key_heads, -1, self.in_proj.in_features)
-            q, k, v, z = qkvz.split([s.key_dim, s.key_dim, group * s.value_dim, group * s.value_dim], dim=1)
-            ba = weights.take(prefix + "in_proj_ba.weight").view(s.key_heads, 2 * group, -1)
-            b, a = ba.split([group, group], dim=1)
-            parts = [p.reshape(-1, self.in_proj.in_features) for p in (q, k, v, z, b, a)]
+            group, hidden = s.value_heads // s.key_heads, self.in_proj.in_features
+            qkvz, ba = (self._rows(weights, prefix + name, rows) for name, rows in (
+                ("in_proj_qkvz.weight", 2 * s.key_size + 2 * s.value_size), ("in_proj_ba.weight", 2 * s.value_heads)))
+            q, k, v, z = qkvz.view(s.key_heads, -1, hidden).split(
+                [s.key_dim, s.key_dim, group * s.value_dim, group * s.value_dim], dim=1)
+            b, a = ba.view(s.key_heads, 2 * group, hidden).split([group, group], dim=1)
+            parts = [p.reshape(-1, hidden) for p in (q, k, v, z, b, a)]
         else:
             parts = [weights.take(prefix + f"in_proj_{name}.weight") for name in ("qkv", "z", "b", "a")]
         weights.copy(self.in_proj.weight, prefix + "in_proj.weight", torch.cat(parts))
@@ -188,6 +189,15 @@ class GatedDeltaNet(nn.Module):
         weights.copy(self.A_log, prefix + "A_log")
         weights.copy(self.norm.weight, prefix + "norm.weight")
         weights.copy(self.out_proj.weight, prefix + "out_proj.weight")
+
+
+    @staticmethod
+    def _rows(weights, name: str, rows: int) -> torch.Tensor:
+        """Weight ``name``, refused unless it has ``rows`` rows (the config's sizes)."""
+        value = weights.take(name)
+        if value.shape[0] != rows:
+            raise weights.error(f"weight `{name}` has {value.shape[0]} rows; the config's linear_* sizes make {rows}")
+        return value
 
 
 def _normed_heads(x: torch.Tensor, shape: DeltaShape) -> torch.Tensor:

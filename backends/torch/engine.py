@@ -96,6 +96,7 @@ class TorchEngine:
         self._cv = threading.Condition()
         self._inbox: list[Sequence] = []
         self._aborts: list[Sequence] = []
+        self._arriving: list[Sequence] = []  # taken from the inbox, not yet in the scheduler
         self._commands: list[tuple[Callable[[], object], asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._closing = False
         self.steps = 0
@@ -141,6 +142,7 @@ class TorchEngine:
         if spec.recurrent:
             self._recurrent_options(options)
             state_bytes = self._state_slots(spec, options)
+            self.capabilities -= {"lora_adapters"}
         kv_dtype = options.kv_dtype or options.dtype
         per_block = KVCache.bytes_per_block(spec, options.block_size, kv_dtype)
         draft = self._load_draft(checkpoint) if options.draft_model is not None else None
@@ -247,6 +249,10 @@ class TorchEngine:
             log.info("torch engine: the linear-attention states of max_num_seqs = %d sequences would take the whole "
                      "KV budget; max_num_seqs lowered to %d (half of it)", options.max_num_seqs, fits)
             options.max_num_seqs = fits
+        elif 2 * per_sequence * options.max_num_seqs > budget:
+            log.info("torch engine: the linear-attention states of max_num_seqs = %d sequences take %.0f%% of the KV "
+                     "budget; lower max_num_seqs for more KV blocks", options.max_num_seqs,
+                     100 * per_sequence * options.max_num_seqs / budget)
         return per_sequence * options.max_num_seqs
 
     @staticmethod
@@ -304,6 +310,8 @@ class TorchEngine:
             "kv_cache_bytes": self.kv.num_blocks * self._block_bytes,
             "preemptions": self.scheduler.preemptions,
         }
+        if self.states is not None:  # linear attention's per-sequence states, out of the same budget
+            out["state_bytes"] = self._state_bytes
         if self.proposer is not None and (self.proposer.lookup or self.draft is not None or self.proposer.drafts):
             # configured, or predictions seen
             out |= {
@@ -432,7 +440,8 @@ class TorchEngine:
             log.exception("the engine loop failed; its requests fail and it takes no more")
             with self._cv:
                 self._closing = True
-                pending, self._inbox = [*self.scheduler.sequences(), *self._inbox], []
+                held = [*self.scheduler.sequences(), *self._arriving, *self._inbox]
+                pending, self._inbox = list({seq.id: seq for seq in held}.values()), []
             out: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, EngineStep | BaseException]]] = defaultdict(list)
             for seq in pending:
                 out[seq.loop].append((seq, EngineError(f"the engine stopped: {type(exc).__name__}: {exc}")))
@@ -455,14 +464,16 @@ class TorchEngine:
             for fn, loop, done in commands:
                 _run_command(fn, loop, done)
             with self._cv:
-                new, self._inbox = self._inbox, []
+                # Held here until the scheduler has them (failed, should adding them raise).
+                self._arriving, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
             for seq in aborts:
                 if seq.status is not Status.FINISHED:
                     self.scheduler.finish(seq)
-            for seq in new:
+            for seq in self._arriving:
                 if not seq.aborted:
                     self.scheduler.add(seq)
+            self._arriving = []
             if self.scheduler.has_work():
                 self._step()
         for seq in list(self.scheduler.running):

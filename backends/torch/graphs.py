@@ -91,6 +91,8 @@ class DecodeGraphs:
         if not 0 <= scratch_block < kv.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is outside the KV cache ({kv.num_blocks} blocks)")
         device = kv.k[0].device
+        if model.spec.recurrent:  # per-sequence states (state.py): no static buffers for them
+            raise ValueError("decode graphs do not run models with linear-attention layers")
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model

@@ -532,6 +532,8 @@ def _gated_delta_fields(cfg: Any) -> dict[str, Any]:
     if len(kinds) != cfg.num_hidden_layers or set(kinds) - {"linear_attention", "full_attention"}:
         raise ModelError(f"layer_types {kinds!r} must name each of the {cfg.num_hidden_layers} layers "
                          "`linear_attention` or `full_attention`")
+    if "full_attention" not in kinds:  # the KV blocks would hold nothing (and count nothing)
+        raise ModelError("layer_types names no `full_attention` layer; a model of linear attention alone is not supported")
     return dict(linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
                 delta=DeltaShape.of(cfg, ModelError), gated_attention=True)
 
@@ -1415,6 +1417,9 @@ class CausalLM(nn.Module):
         a gated checkpoint's q_proj holds each head's query rows, then that head's gate rows."""
         gate = None
         if attn.gate_size:
+            if qkv[0].shape[0] != 2 * attn.q_size:
+                raise ModelError(f"q_proj has {qkv[0].shape[0]} rows; gated attention needs {2 * attn.q_size}: a query "
+                                 f"and a gate of {attn.head_dim} for each of the {attn.num_heads} heads")
             heads = qkv[0].view(attn.num_heads, 2, attn.head_dim, *qkv[0].shape[1:])
             qkv[0], gate = heads[:, 0].flatten(0, 1), heads[:, 1].flatten(0, 1)
         merged = reorder(torch.cat(qkv))

@@ -1,8 +1,9 @@
 """Qwen3-Next and Qwen3.5: Gated DeltaNet linear attention beside gated attention, each sequence's
 state in a slot of its own (:mod:`backends.torch.delta`, :mod:`backends.torch.state`). Greedy
-output and prompt logprobs against transformers, the chunked rule against the token-by-token
-one, what the engine does with states (slots reused, preemption, cancelling, no prefix cache,
-memory), the spec and what is refused."""
+output and prompt logprobs against transformers (Granite 4's Mamba2 hybrids too, whose own
+tests are in test_torch_mamba.py), the chunked rule against the token-by-token one, what the
+engine does with states (slots reused, preemption, cancelling, no prefix cache, memory), the
+spec and what is refused."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from test_torch_engine import (
 from test_torch_gemma import assert_prompt_logprobs_match_transformers, packed_torch_path_distance
 from torch_models import assert_built_with_config_refused, hf_greedy, tiny_checkpoint, write_lora
 
-ARCHS = ["qwen3_next", "qwen3_5-mm", "qwen3_5_moe-mm"]
+ARCHS = ["qwen3_next", "qwen3_5-mm", "qwen3_5_moe-mm", "granite4-hybrid", "granite4-hybrid-moe"]
+"""Every model with per-sequence states: Gated DeltaNet's and Mamba2's."""
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -37,13 +39,15 @@ def next_folder(tmp_path_factory):
 
 
 def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(delta):
-    # Layers 0, 1 and 3 linear attention, layer 2 gated attention; prompts of 5 to 40 tokens in
-    # 16-token steps: states carried from chunk to chunk, decode rows beside prompt chunks.
+    # Qwen: layers 0, 1 and 3 linear attention, layer 2 gated attention; Granite: layers 0, 2
+    # and 3 Mamba2, layer 1 attention. Prompts of 5 to 40 tokens in 16-token steps: states
+    # carried from chunk to chunk, decode rows beside prompt chunks.
     assert_greedy_matches_transformers(delta)
 
 
 def test_a_long_prompt_in_one_step_matches_transformers(delta):
-    """150 tokens in one step: the chunked rule over three blocks of 64, the last one partial."""
+    """150 tokens in one step: the chunked rule (Mamba2's scan) over three blocks of 64, the last
+    one partial."""
     prompt = random_prompts(4, (150,))[0]
     engine = engine_for(delta, max_batched_tokens=512)
     try:
@@ -52,11 +56,15 @@ def test_a_long_prompt_in_one_step_matches_transformers(delta):
         run(engine.stop())
 
 
-@pytest.mark.parametrize("dtype,within", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3)])
-def test_prompt_logprobs_match_transformers(next_folder, dtype, within):
-    # Measured: 2e-6 in float32, 7e-7 in bfloat16 (the state and the rule in float32 on both
-    # sides, the convolution rounded before its SiLU on both).
-    assert_prompt_logprobs_match_transformers(next_folder, dtype, within)
+@pytest.mark.parametrize("dtype,within", [(torch.float32, 1e-4), (torch.bfloat16, 0.01)])
+def test_prompt_logprobs_match_transformers(delta, dtype, within):
+    # Measured in float32: 1e-6 to 2e-6. In bfloat16 (the states and the rules in float32 on
+    # both sides, the convolution rounded before its SiLU on both): Qwen3-Next 7e-7, Granite's
+    # hybrids 5e-7; Qwen3.5 0.0015 in 16-token chunks (8e-7 in one step: the chunks' sums round
+    # elsewhere), Qwen3.5-MoE 0.004 (an attention layer's output a bfloat16 rounding apart).
+    # These tiny Qwen3.5 models are sensitive: transformers' own bfloat16 is 0.15 and 0.58
+    # from its float32.
+    assert_prompt_logprobs_match_transformers(delta, dtype, within)
 
 
 def _random_rule_inputs(seed, heads, length, key_dim=8, value_dim=12):
@@ -156,12 +164,14 @@ def test_more_requests_than_slots_reuse_them_from_a_clean_state(next_folder):
     assert got == [hf_greedy(next_folder, p, 8) for p in prompts]
 
 
-def test_preemption_and_cancelling_under_a_tiny_budget(next_folder):
+@pytest.mark.parametrize("arch", ["qwen3_next", "granite4-hybrid"])
+def test_preemption_and_cancelling_under_a_tiny_budget(arch, tmp_path):
     """12 blocks of 4 tokens for 5 sequences growing to 5 to 11 blocks: preempted sequences
     give their slots back, recompute their states from their tokens, and still give their full
     outputs; every block and slot is free after, and after 30 requests cancelled mid-generation."""
-    roomy = small_steps_engine(next_folder)
-    tight = small_steps_engine(next_folder, kv_cache_gb=(roomy._state_bytes + 12 * roomy._block_bytes) / 2**30)
+    folder = tiny_checkpoint(tmp_path / arch, arch)
+    roomy = small_steps_engine(folder)
+    tight = small_steps_engine(folder, kv_cache_gb=(roomy._state_bytes + 12 * roomy._block_bytes) / 2**30)
     try:
         assert_preemption_and_cancelling(
             roomy, tight, lambda engine: engine.pool.num_used == 0 and engine.scheduler.state_slots.num_free == 64)
@@ -272,7 +282,7 @@ def test_adapters_speculative_decoding_and_recurrent_draft_models_are_refused(ne
 
     spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(next_folder), local_files_only=True))
     folder = write_lora(tmp_path / "a", next_folder, targets=("o_proj",))
-    with pytest.raises(AdapterError, match=r"adapters of a model with linear-attention layers \(Qwen3-Next, Qwen3.5\)"):
+    with pytest.raises(AdapterError, match=r"adapters of a model with linear-attention or Mamba layers \(Qwen3-Next"):
         load_adapter("a", folder, spec, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="speculative decoding is not supported for a model with linear-attention"):
         engine_for(next_folder, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2,

@@ -411,7 +411,7 @@ def test_cohere_specs():
         ModelSpec.from_hf_config(_config("cohere", layer_norm_eps=1e-5, logit_scale=0))
 
 
-def test_granite4_specs_and_its_hybrid_models_refused():
+def test_granite4_specs():
     dense = ModelSpec.from_hf_config(_config("granitemoehybrid", num_local_experts=0, shared_intermediate_size=96,
                                              layer_types=["attention"] * 8, position_embedding_type="rope",
                                              attention_multiplier=0.015625))
@@ -421,9 +421,15 @@ def test_granite4_specs_and_its_hybrid_models_refused():
                                            position_embedding_type=None))
     assert moe.is_moe and moe.shared_expert_size == 96 and not moe.shared_expert_gated and moe.softmax_top_k
     assert moe.nope_layers == tuple(range(8))
-    with pytest.raises(ModelError, match="layer 0 is a `mamba` layer: Granite 4's hybrid .Mamba. models are not supported"):
+    # Its hybrids (test_torch_mamba.py): Mamba2 layers, by their old name or transformers 5's
+    for kinds in (["mamba", "attention"] * 4, ["linear_attention", "full_attention"] * 4):
+        hybrid = ModelSpec.from_hf_config(_config("granitemoehybrid", num_local_experts=0, shared_intermediate_size=96,
+                                                  layer_types=kinds, mamba_n_heads=8, mamba_n_groups=1,
+                                                  mamba_d_state=16, mamba_d_conv=4, mamba_expand=2))
+        assert hybrid.linear_layers == (0, 2, 4, 6) and hybrid.mamba.head_dim == 16 and hybrid.recurrent
+    with pytest.raises(ModelError, match="layer 0 is a `conv` layer; Granite 4's layers are `mamba` or `attention`"):
         ModelSpec.from_hf_config(_config("granitemoehybrid", num_local_experts=0, shared_intermediate_size=96,
-                                         layer_types=["mamba", "attention"] * 4))
+                                         layer_types=["conv", "attention"] * 4))
     shared = ModelSpec.from_hf_config(_config("granitemoeshared", num_local_experts=4, num_experts_per_tok=2,
                                               shared_intermediate_size=0))
     assert shared.is_moe and shared.shared_expert_size == 0

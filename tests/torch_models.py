@@ -223,6 +223,19 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                                         shared_intermediate_size=40, embedding_multiplier=2.0, attention_multiplier=0.1,
                                         residual_multiplier=0.5, logits_scaling=1.5, layer_types=["attention"] * 2,
                                         position_embedding_type=None if moe else "rope")
+    elif arch in ("granite4-hybrid", "granite4-hybrid-moe"):  # Granite 4's hybrids: Mamba2 layers (4 heads of 32 over
+        # 2 groups of B and C of 16, 4 taps with biases) and one attention layer; dense (the shared MLP) or experts
+        # plus the shared MLP, no rotary; Granite's multipliers
+        from transformers import GraniteMoeHybridConfig
+
+        moe = arch == "granite4-hybrid-moe"
+        config = GraniteMoeHybridConfig(**{**common, "intermediate_size": 48, "num_hidden_layers": 4}, pad_token_id=0,
+                                        num_local_experts=4 if moe else 0, num_experts_per_tok=2,
+                                        shared_intermediate_size=40, embedding_multiplier=2.0, attention_multiplier=0.1,
+                                        residual_multiplier=0.5, logits_scaling=1.5,
+                                        layer_types=["mamba", "attention", "mamba", "mamba"], position_embedding_type=None,
+                                        mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=32,
+                                        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=32)
     elif arch in LATENT_ARCHS:  # multi-head latent attention: a latent of 32 and a rotated key of 8 a token;
         # query heads of 16 + 8 dimensions, value heads of 12
         common["num_key_value_heads"] = common["num_attention_heads"]  # as transformers' MLA needs

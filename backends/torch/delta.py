@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata
+from .state import causal_conv
 
 CHUNK = 64
 """Tokens per block of the chunked rule (what transformers and flash-linear-attention use)."""
@@ -62,6 +63,11 @@ class DeltaShape:
     def conv_size(self) -> int:
         """Channels of the convolution: queries, keys and values."""
         return 2 * self.key_size + self.value_size
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """A sequence's state in one layer: a ``key_dim x value_dim`` matrix a value head."""
+        return (self.value_heads, self.key_dim, self.value_dim)
 
     @classmethod
     def of(cls, cfg: Any, error: Callable[[str], Exception]) -> "DeltaShape":
@@ -119,7 +125,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
         states = meta.states
         conv_state, ssm = states.conv[self.layer], states.ssm[self.layer]
-        mixed = self._convolve(mixed, conv_state, meta)
+        mixed = causal_conv(mixed, self.taps, None, conv_state, meta)
         q, k, v = mixed.split([s.key_size, s.key_size, s.value_size], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -141,27 +147,6 @@ class GatedDeltaNet(nn.Module):
             ssm.index_copy_(0, slot, state[None])
         out = self.norm(out.to(x.dtype), z.view(n, s.value_heads, s.value_dim))
         return self.out_proj(out.reshape(n, s.value_size))
-
-    def _convolve(self, mixed: torch.Tensor, conv_state: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Each row's causal convolution over its sequence's last ``kernel - 1`` inputs (the
-        state) and itself, then SiLU; the state moved on. Multiplied out in float32 and rounded
-        to the model's dtype before the SiLU, as transformers' conv1d does (a bfloat16 prompt's
-        logprobs: 7e-7 from transformers' so, 0.09 with the SiLU taken in float32)."""
-        taps, kernel = self.taps.float(), self.shape.kernel
-        out = torch.empty_like(mixed)
-        d, slots = meta.num_decode, meta.state_slots
-        if d:
-            window = torch.cat((conv_state.index_select(0, slots[:d]), mixed[:d, :, None].to(conv_state.dtype)), dim=-1)
-            conv_state.index_copy_(0, slots[:d], window[..., 1:])
-            out[:d] = F.silu((window.float() * taps).sum(-1).to(mixed.dtype))
-        for j, span in enumerate(meta.prefills):
-            slot = slots[d + j : d + j + 1]
-            inputs = torch.cat((conv_state.index_select(0, slot)[0], mixed[span.start : span.end].T.to(conv_state.dtype)),
-                               dim=-1)  # [channels, kernel - 1 + tokens]
-            conv_state.index_copy_(0, slot, inputs[None, :, inputs.shape[1] - (kernel - 1) :])
-            conv = F.conv1d(inputs.float()[None], taps[:, None, :], groups=taps.shape[0])[0]
-            out[span.start : span.end] = F.silu(conv.to(mixed.dtype)).T
-        return out
 
     def load(self, prefix: str, weights) -> None:
         """The layer's weights (``prefix``: ``layers.N.linear_attn.``): Qwen3.5's projections
@@ -209,18 +194,21 @@ def _normed_heads(x: torch.Tensor, shape: DeltaShape) -> torch.Tensor:
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
-def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of ``n`` sequences: ``q``, ``k [n, heads, key_dim]``, ``v [n, heads,
     value_dim]``, ``g``, ``beta [n, heads]``, ``state [n, heads, key_dim, value_dim]``, all
-    float32. Returns the outputs ``[n, heads, value_dim]`` and the new states."""
+    float32. Returns the outputs ``[n, heads, value_dim]`` and the new states. ``beta`` None:
+    no correction, ``S = exp(g) S + k v^T`` (decayed linear attention: Mamba2's state space
+    model, :mod:`.mamba`)."""
     state = state * g.exp()[..., None, None]
-    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)
-    state = state + k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2)
+    if beta is not None:
+        v = (v - (k.unsqueeze(-2) @ state).squeeze(-2)) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * v.unsqueeze(-2)
     return (q.unsqueeze(-2) @ state).squeeze(-2), state
 
 
-def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule over ``L`` tokens of one sequence, a block of ``chunk`` (or ``L``, if fewer)
     at a time: ``q``, ``k [heads, L, key_dim]``, ``v [heads, L, value_dim]``, ``g``, ``beta
@@ -234,30 +222,35 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     (k_t . k_j) u_j = beta_t (v_t - exp(G_t) S0^T k_t)``. So each block takes two triangular
     solves (independent of ``S0``, for every block at once) and three matrix products with the
     state, in turn. Every exponent is at most 0. Tokens padding the last block have ``g``,
-    ``beta``, ``k`` and ``q`` 0: they leave the state as it is."""
+    ``beta``, ``k`` and ``q`` 0: they leave the state as it is. ``beta`` None: no correction
+    (:func:`delta_rule_step`), ``u`` is ``v`` and there is nothing to solve."""
     heads, length, key_dim = k.shape
     chunk = min(chunk, length)  # a short prompt chunk: one block of its own length, no padding
     pad = -length % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+        g = F.pad(g, (0, pad))
+        beta = F.pad(beta, (0, pad)) if beta is not None else None
     blocks = (length + pad) // chunk
     q, k, v = (x.reshape(heads, blocks, chunk, -1) for x in (q, k, v))
-    g, beta = g.reshape(heads, blocks, chunk), beta.reshape(heads, blocks, chunk)
+    g = g.reshape(heads, blocks, chunk)
     G = g.cumsum(-1)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [h, b, t, j]
-    k_beta = k * beta[..., None]
-    # The system's strictly lower part (solve_triangular takes its diagonal as ones).
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    u_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    u_state = torch.linalg.solve_triangular(system, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
+    u_values, u_state = v, None
+    if beta is not None:
+        beta = beta.reshape(heads, blocks, chunk)
+        k_beta = k * beta[..., None]
+        # The system's strictly lower part (solve_triangular takes its diagonal as ones).
+        system = (k_beta @ k.transpose(-1, -2)) * decay
+        u_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+        u_state = torch.linalg.solve_triangular(system, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * decay  # causal, the token itself included
     q_decayed = q * G.exp()[..., None]
     k_to_end = k * (G[..., -1:] - G).exp()[..., None]  # each key decayed to its block's end
     out = torch.empty_like(v)
     for i in range(blocks):
-        u = u_values[:, i] - u_state[:, i] @ state
+        u = u_values[:, i] - u_state[:, i] @ state if u_state is not None else u_values[:, i]
         out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ u
         state = state * G[:, i, -1, None, None].exp() + k_to_end[:, i].transpose(-1, -2) @ u
     return out.reshape(heads, blocks * chunk, -1)[:, :length], state

@@ -38,6 +38,7 @@ from torch import nn
 from .attention import AttentionMetadata, apply_rotary, paged_attention
 from .conv import ShortConv
 from .delta import DeltaShape, GatedDeltaNet
+from .mamba import Mamba2Mixer, MambaShape
 from .latent import LATENT_NORM_EPS, LatentAttention, LatentShape, latent_scale
 from .moe import SparseMoE
 from .weights import WeightReader, load_fused_mlp, load_mlp
@@ -173,6 +174,8 @@ class ModelSpec:
     linear_layers: tuple[int, ...] = ()
     delta: DeltaShape | None = None
     gated_attention: bool = False
+    # Granite 4's hybrids: their linear_layers are Mamba2 layers (:mod:`.mamba`) of this shape.
+    mamba: MambaShape | None = None
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
@@ -220,6 +223,12 @@ class ModelSpec:
     def recurrent(self) -> bool:
         """Whether some layer keeps a state per sequence (:mod:`.state`)."""
         return bool(self.linear_layers)
+
+    @property
+    def recurrence(self) -> DeltaShape | MambaShape | None:
+        """The shape of the layers that keep a state per sequence (its ``conv_size``, ``kernel``
+        and ``state_shape``); None where none does."""
+        return self.delta or self.mamba if self.linear_layers else None
 
     @property
     def is_moe(self) -> bool:
@@ -391,8 +400,7 @@ class ModelSpec:
                 raise ModelError(f"{key} {cap} must be a positive number")
         granite = _granite_multipliers(cfg) if model_type in GRANITES else {}
         granite4 = model_type == "granitemoehybrid"
-        if granite4:
-            _check_granite4_layers(cfg)
+        mamba = _granite4_layers(cfg) if granite4 else {}
         olmo = model_type in ("olmo2", "olmo3")
         exaone = model_type == "exaone4"  # OLMo 2's output norms (in the model's dtype), per-head q/k norms
         if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
@@ -481,6 +489,7 @@ class ModelSpec:
             qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
             **lfm2,
             **gated_delta,
+            **mamba,
         )
 
 
@@ -572,16 +581,23 @@ GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 """Granite's model types, which read its four multipliers."""
 
 
-def _check_granite4_layers(cfg: Any) -> None:
-    """Granite 4's models whose every layer is attention (Granite 4.0 Micro's shape); its hybrid
-    models' Mamba layers are refused by name."""
+def _granite4_layers(cfg: Any) -> dict[str, Any]:
+    """Granite 4's Mamba2 layers (``layer_types`` "mamba", which transformers 5 reads as
+    "linear_attention"; the others "attention") and their shape; none for its attention-only
+    models (Granite 4.0 Micro's shape)."""
     kinds = list(getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or ())
-    other = next((i for i, kind in enumerate(kinds) if kind not in ("attention", "full_attention")), None)
+    kinds = [{"mamba": "linear_attention", "attention": "full_attention"}.get(kind, kind) for kind in kinds]
+    other = next((i for i, kind in enumerate(kinds) if kind not in ("full_attention", "linear_attention")), None)
     if other is not None:
-        raise ModelError(f"layer {other} is a `{kinds[other]}` layer: Granite 4's hybrid (Mamba) models are not "
-                         "supported, its attention-only ones are")
+        raise ModelError(f"layer {other} is a `{kinds[other]}` layer; Granite 4's layers are `mamba` or `attention`")
     if len(kinds) != cfg.num_hidden_layers:
         raise ModelError(f"layer_types has {len(kinds)} entries; it needs one for each of the {cfg.num_hidden_layers} layers")
+    linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    if not linear:
+        return {}
+    if len(linear) == len(kinds):  # the KV blocks would hold nothing (and count nothing)
+        raise ModelError("layer_types names no `attention` layer; a model of Mamba layers alone is not supported")
+    return dict(linear_layers=linear, mamba=MambaShape.of(cfg, ModelError))
 
 
 def _granite_multipliers(cfg: Any) -> dict[str, float]:
@@ -1182,9 +1198,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: _norm(spec, spec.hidden_size)  # noqa: E731
         self.input_layernorm = norm() if spec.input_norms else None
-        self.self_attn: Attention | LatentAttention | ShortConv | GatedDeltaNet
+        self.self_attn: Attention | LatentAttention | ShortConv | GatedDeltaNet | Mamba2Mixer
         if layer in spec.conv_layers:  # LFM2: a short convolution in attention's place
             self.self_attn = ShortConv(spec.hidden_size, spec.conv_kernel, spec.conv_bias, layer)
+        elif layer in spec.linear_layers and spec.mamba is not None:  # Granite 4's hybrids
+            self.self_attn = Mamba2Mixer(spec.hidden_size, spec.mamba, spec.rms_norm_eps, layer)
         elif layer in spec.linear_layers:  # Qwen3-Next, Qwen3.5: linear attention
             self.self_attn = GatedDeltaNet(spec.hidden_size, spec.delta, spec.rms_norm_eps, layer)
         elif spec.latent is not None:
@@ -1339,6 +1357,8 @@ class CausalLM(nn.Module):
                 attn.load(p + "conv.", weights)
             elif isinstance(attn, GatedDeltaNet):
                 attn.load(p + "linear_attn.", weights)
+            elif isinstance(attn, Mamba2Mixer):
+                attn.load(p + "mamba.", weights)
             elif isinstance(attn, LatentAttention):
                 attn.load(p + "self_attn.", weights, layout)
             else:

@@ -1,0 +1,154 @@
+"""Mamba2 layers (Granite 4's hybrid models), over per-sequence state.
+
+A Mamba2 mixer projects each token to a gate ``z``, the convolution's input (``x`` of
+``heads x head_dim``, and ``B``, ``C`` of ``groups x state_size``, each group serving
+``heads / groups`` heads) and a time step per head. After the short causal convolution (then
+SiLU), each head's state ``h [state_size, head_dim]`` follows the selective state space model::
+
+    dt = clamp(softplus(dt + dt_bias));  h = exp(dt A) h + B (dt x)^T;  y = h^T C + D x
+
+with ``A = -exp(A_log)``. That is the delta rule of :mod:`.delta` without its correction:
+decayed linear attention with ``C`` for queries, ``B`` for keys and ``dt x`` for values, which
+is how it runs here (:func:`.delta.delta_rule_step`, :func:`.delta.delta_rule_chunked` with no
+``beta``; transformers' chunked scan is the same sums). The output is gated by ``silu(z)``,
+normalised over each group of ``head_dim * heads / groups`` channels and projected back.
+
+The states live in :class:`.state.RecurrentState` as linear attention's do, with everything
+that follows from that (no prefix cache, drafts or CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata
+from .delta import delta_rule_chunked, delta_rule_step
+from .state import causal_conv
+
+
+@dataclass(frozen=True)
+class MambaShape:
+    """The sizes of a Mamba2 mixer, and its time steps' bounds."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def inner(self) -> int:
+        """The width of ``x`` (and of ``z``, and of the output before its projection)."""
+        return self.heads * self.head_dim
+
+    @property
+    def conv_size(self) -> int:
+        """Channels of the convolution: ``x``, ``B`` and ``C``."""
+        return self.inner + 2 * self.groups * self.state_size
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """A sequence's state in one layer: a ``state_size x head_dim`` matrix a head."""
+        return (self.heads, self.state_size, self.head_dim)
+
+    @classmethod
+    def of(cls, cfg: Any, error: Callable[[str], Exception]) -> "MambaShape":
+        """From a Granite 4 config's ``mamba_*`` keys (``mamba_d_head`` "auto": the inner width,
+        ``mamba_expand * hidden_size``, over the heads)."""
+        heads, groups = getattr(cfg, "mamba_n_heads", None), getattr(cfg, "mamba_n_groups", None)
+        state, kernel = getattr(cfg, "mamba_d_state", None), getattr(cfg, "mamba_d_conv", None)
+        expand = getattr(cfg, "mamba_expand", None)
+        for key, value in (("mamba_n_heads", heads), ("mamba_n_groups", groups), ("mamba_d_state", state),
+                           ("mamba_d_conv", kernel), ("mamba_expand", expand)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise error(f"{key} {value!r} must be a positive integer")
+        head_dim = getattr(cfg, "mamba_d_head", "auto")
+        if head_dim == "auto":
+            head_dim = expand * cfg.hidden_size // heads
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim * heads != expand * cfg.hidden_size:
+            raise error(f"mamba_d_head {head_dim!r} times mamba_n_heads {heads} must be mamba_expand * hidden_size, "
+                        f"{expand * cfg.hidden_size}")
+        if heads % groups:
+            raise error(f"mamba_n_heads {heads} must be a multiple of mamba_n_groups {groups}")
+        limit = getattr(cfg, "time_step_limit", None)
+        limit = (0.0, float("inf")) if limit is None else tuple(float(x) for x in limit)
+        if len(limit) != 2 or not 0 <= limit[0] <= limit[1]:
+            raise error(f"time_step_limit {limit!r} must be two numbers, 0 <= low <= high")
+        return cls(heads, head_dim, groups, state, kernel, bool(getattr(cfg, "mamba_conv_bias", True)),
+                   bool(getattr(cfg, "mamba_proj_bias", False)), limit)
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba2 layer (``layer``: its index, which state tensors are its own)."""
+
+    sliding = False  # what the decoder asks of a layer's mixer: no window, no rotary
+    rotates = False
+
+    def __init__(self, hidden_size: int, shape: MambaShape, eps: float, layer: int) -> None:
+        super().__init__()
+        self.layer, self.shape, self.eps = layer, shape, eps
+        self.splits = [shape.inner, shape.conv_size, shape.heads]  # z, then x B C, then the time steps
+        self.in_proj = nn.Linear(hidden_size, sum(self.splits), bias=shape.proj_bias)
+        self.taps = nn.Parameter(torch.empty(shape.conv_size, shape.kernel), requires_grad=False)
+        self.conv_bias = nn.Parameter(torch.empty(shape.conv_size), requires_grad=False) if shape.conv_bias else None
+        self.dt_bias = nn.Parameter(torch.empty(shape.heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(shape.heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(shape.heads), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.empty(shape.inner), requires_grad=False)
+        self.out_proj = nn.Linear(shape.inner, hidden_size, bias=shape.proj_bias)
+
+    def forward(self, x: torch.Tensor, rope: object, meta: AttentionMetadata, q_scale: object = None) -> torch.Tensor:
+        n, s = x.shape[0], self.shape
+        z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
+        xbc = causal_conv(xbc, self.taps, self.conv_bias, meta.states.conv[self.layer], meta)
+        u, b, c = xbc.float().split([s.inner, s.groups * s.state_size, s.groups * s.state_size], dim=-1)
+        u = u.view(n, s.heads, s.head_dim)
+        group = s.heads // s.groups
+        b, c = (t.view(n, s.groups, s.state_size).repeat_interleave(group, dim=1) for t in (b, c))
+        # The time steps in the model's dtype, as transformers takes them, then float32.
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*s.dt_limit).float()
+        g = dt * -self.A_log.float().exp()
+        v = u * dt[..., None]
+        out = torch.empty_like(u)
+        ssm, d, slots = meta.states.ssm[self.layer], meta.num_decode, meta.state_slots
+        if d:  # every decoding sequence's one token
+            out[:d], state = delta_rule_step(c[:d], b[:d], v[:d], g[:d], None, ssm.index_select(0, slots[:d]))
+            ssm.index_copy_(0, slots[:d], state)
+        for j, span in enumerate(meta.prefills):
+            rows, slot = slice(span.start, span.end), slots[d + j : d + j + 1]
+            t = lambda x: x[rows].transpose(0, 1)  # noqa: E731 - [heads, tokens, ...]
+            chunk_out, state = delta_rule_chunked(t(c), t(b), t(v), t(g), None, ssm.index_select(0, slot)[0])
+            out[rows] = chunk_out.transpose(0, 1)
+            ssm.index_copy_(0, slot, state[None])
+        y = (out + u * self.D.float()[:, None]).view(n, s.inner) * F.silu(z.float())
+        # Normalised over each group's channels in float32, scaled, as transformers' gated norm.
+        grouped = y.view(n, s.groups, -1)
+        y = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).view(n, s.inner)
+        return self.out_proj((self.norm_weight * y).to(x.dtype))
+
+    def load(self, prefix: str, weights) -> None:
+        """The layer's weights (``prefix``: ``layers.N.mamba.``)."""
+        s = self.shape
+        weights.copy(self.in_proj.weight, prefix + "in_proj.weight")
+        name = prefix + "conv1d.weight"
+        filters = weights.take(name)
+        if filters.shape != (s.conv_size, 1, s.kernel):
+            raise weights.error(f"weight `{name}` has shape {tuple(filters.shape)}, expected {(s.conv_size, 1, s.kernel)}")
+        weights.copy(self.taps, name, filters[:, 0])
+        if s.conv_bias:
+            weights.copy(self.conv_bias, prefix + "conv1d.bias")
+        if s.proj_bias:
+            weights.copy(self.in_proj.bias, prefix + "in_proj.bias")
+            weights.copy(self.out_proj.bias, prefix + "out_proj.bias")
+        for name in ("dt_bias", "A_log", "D"):
+            weights.copy(getattr(self, name), prefix + name)
+        weights.copy(self.norm_weight, prefix + "norm.weight")
+        weights.copy(self.out_proj.weight, prefix + "out_proj.weight")

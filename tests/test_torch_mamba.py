@@ -1,0 +1,95 @@
+"""Granite 4's hybrids: Mamba2 layers beside attention, each sequence's state in a slot of its own
+(:mod:`backends.torch.mamba`, :mod:`backends.torch.state`). The rule without its correction
+against the token-by-token one, the states' layout, the spec and what is refused; greedy output,
+prompt logprobs, preemption and cancelling are test_torch_delta.py's, for every model with
+per-sequence states."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from backends.torch.delta import delta_rule_chunked, delta_rule_step
+from backends.torch.mamba import MambaShape
+from backends.torch.model import ModelError, ModelSpec
+from test_torch_delta import _random_rule_inputs
+from test_torch_engine import generate, random_prompts, run, small_steps_engine
+from test_torch_gemma import packed_torch_path_distance
+from torch_models import assert_built_with_config_refused, hf_greedy, tiny_checkpoint
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("dense") / "granite4-hybrid", "granite4-hybrid")
+
+
+@pytest.mark.parametrize("length,chunk", [(1, 64), (40, 64), (64, 64), (150, 64), (37, 8)])
+def test_the_rule_without_correction_is_the_token_by_token_rule(length, chunk):
+    q, k, v, g, _, state = _random_rule_inputs(length, 3, length)
+    out, end = delta_rule_chunked(q, k, v, g, None, state, chunk=chunk)
+    expected, s = [], state[None]
+    for t in range(length):
+        row, s = delta_rule_step(q[:, t][None], k[:, t][None], v[:, t][None], g[:, t][None], None, s)
+        expected.append(row[0])
+    torch.testing.assert_close(out, torch.stack(expected, dim=1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(end, s[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_states_and_the_cache(dense):
+    """Mamba layers keep nothing a token (the blocks hold the attention layer's keys and values
+    alone) and a state a sequence: 3 taps of 192 channels, 4 heads of 16 x 32 in float32."""
+    engine = small_steps_engine(dense, max_num_seqs=3)
+    try:
+        assert [tuple(k.shape[1:]) for k in engine.kv.k] == [(0, 0), (2, 16), (0, 0), (0, 0)]
+        assert tuple(engine.states.conv[0].shape) == (3, 192, 3) and tuple(engine.states.ssm[3].shape) == (3, 4, 16, 32)
+        assert engine._state_bytes == 3 * 3 * (192 * 3 * 4 + 4 * 16 * 32 * 4)
+        assert engine.runner.graphs is None and not engine.pool.prefix_caching
+        prompts = random_prompts(6, (9, 30, 5, 17))
+        assert [run(generate(engine, p, 8))[0] for p in prompts] == [hf_greedy(dense, p, 8) for p in prompts]
+    finally:
+        run(engine.stop())
+
+
+def _config(**changes):
+    base = dict(model_type="granitemoehybrid", vocab_size=100, hidden_size=64, intermediate_size=48,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, num_local_experts=0,
+                shared_intermediate_size=40, position_embedding_type=None,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head="auto", mamba_d_conv=4,
+                mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False, time_step_limit=[0.0, float("inf")])
+    return SimpleNamespace(**{**base, **changes})
+
+
+def test_granite4_hybrid_specs():
+    s = ModelSpec.from_hf_config(_config())
+    assert s.linear_layers == (0, 2, 3) and s.delta is None and s.recurrence is s.mamba
+    assert s.mamba == MambaShape(4, 32, 2, 16, 4, True, False, (0.0, float("inf")))
+    assert (s.mamba.inner, s.mamba.conv_size, s.mamba.state_shape) == (128, 192, (4, 16, 32))
+    assert not s.gated_attention and s.nope_layers == (0, 1, 2, 3)
+    limited = ModelSpec.from_hf_config(_config(time_step_limit=[0.001, 0.1], mamba_proj_bias=True))
+    assert limited.mamba.dt_limit == (0.001, 0.1) and limited.mamba.proj_bias
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"mamba_n_groups": 3}, "mamba_n_heads 4 must be a multiple of mamba_n_groups 3"),
+    ({"mamba_d_head": 24}, "mamba_d_head 24 times mamba_n_heads 4 must be mamba_expand . hidden_size, 128"),
+    ({"mamba_d_state": 0}, "mamba_d_state 0 must be a positive integer"),
+    ({"time_step_limit": [0.5, 0.1]}, r"time_step_limit \(0.5, 0.1\) must be two numbers, 0 <= low <= high"),
+    ({"layer_types": ["linear_attention"] * 4}, "names no `attention` layer; a model of Mamba layers alone"),
+])
+def test_what_granite4_hybrid_configs_are_refused_for(changes, message):
+    with pytest.raises(ModelError, match=message):
+        ModelSpec.from_hf_config(_config(**changes))
+
+
+def test_int8_runs_as_torch_operations(dense):
+    """The C step has no Mamba layers: under int8 the packed projections run as torch
+    operations, near the float engine (measured 0.002)."""
+    assert packed_torch_path_distance(dense, "int8") < 0.1
+
+
+def test_a_filter_of_another_shape_is_refused(dense, tmp_path):
+    assert_built_with_config_refused(dense, tmp_path / "bad", {"mamba_d_conv": 3},
+                                     r"mamba.conv1d.weight` has shape \(192, 1, 4\), expected \(192, 1, 3\)")

@@ -1,4 +1,4 @@
-"""Granite 4's hybrids: Mamba2 layers beside attention, each sequence's state in a slot of its own
+"""Granite 4's hybrids and Nemotron-H: Mamba2 layers beside attention, each sequence's state in a slot of its own
 (:mod:`backends.torch.mamba`, :mod:`backends.torch.state`). The rule without its correction
 against the token-by-token one, the states' layout, the spec and what is refused; greedy output,
 prompt logprobs, preemption and cancelling are test_torch_delta.py's, for every model with
@@ -93,3 +93,83 @@ def test_int8_runs_as_torch_operations(dense):
 def test_a_filter_of_another_shape_is_refused(dense, tmp_path):
     assert_built_with_config_refused(dense, tmp_path / "bad", {"mamba_d_conv": 3},
                                      r"mamba.conv1d.weight` has shape \(192, 1, 4\), expected \(192, 1, 3\)")
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("nemotron") / "nemotron_h-moe", "nemotron_h-moe")
+
+
+def test_nemotron_blocks_keep_keys_and_values_in_their_attention_block_alone(nemotron):
+    """Six blocks of one kind each: the cache holds the attention block's keys and values, the
+    states the two Mamba2 blocks'; MLP and expert blocks keep nothing."""
+    engine = small_steps_engine(nemotron, max_num_seqs=2)
+    try:
+        assert [tuple(k.shape[1:]) for k in engine.kv.k] == [(0, 0), (0, 0), (2, 16), (0, 0), (0, 0), (0, 0)]
+        assert [t is not None for t in engine.states.ssm] == [True, False, False, False, True, False]
+        assert [layer.block for layer in engine.model.layers] == ["mamba", "mlp", "attention", "moe", "mamba", "mlp"]
+    finally:
+        run(engine.stop())
+
+
+def test_nemotron_time_steps_are_held_above_time_step_min(nemotron, tmp_path):
+    """With time_step_min 2 (most of the tiny model's time steps are below it), transformers'
+    output changes and the engine's with it: a prompt's time steps held at 2 or more, decoded
+    tokens' not (transformers' one-token update ignores the floor, as mamba_ssm's does)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "floor"
+    shutil.copytree(nemotron, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "time_step_min": 2.0}))
+    prompt = random_prompts(3, (30,))[0]
+    engine = small_steps_engine(folder)
+    try:
+        got = run(generate(engine, prompt, 10))[0]
+    finally:
+        run(engine.stop())
+    assert got == hf_greedy(folder, prompt, 10) != hf_greedy(nemotron, prompt, 10)
+
+
+def _nemotron(**changes):
+    base = dict(model_type="nemotron_h", vocab_size=100, hidden_size=64, num_hidden_layers=4,
+                layers_block_type=["linear_attention", "mlp", "full_attention", "moe"], num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=96, mlp_hidden_act="relu2", mlp_bias=False,
+                max_position_embeddings=4096, layer_norm_epsilon=1e-5, tie_word_embeddings=False, attention_bias=True,
+                mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4, use_conv_bias=True,
+                use_bias=False, time_step_min=0.001, n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=24, moe_shared_expert_intermediate_size=40, routed_scaling_factor=2.5, n_group=2,
+                topk_group=1, norm_topk_prob=True, moe_latent_size=None)
+    return SimpleNamespace(**{**base, **changes})
+
+
+def test_nemotron_h_specs():
+    s = ModelSpec.from_hf_config(_nemotron())
+    assert s.block_kinds == ("mamba", "mlp", "attention", "moe") and s.linear_layers == (0,)
+    assert s.mamba == MambaShape(4, 32, 2, 16, 4, True, False, (0.001, float("inf")))
+    assert s.activation == "relu2" and s.float_norms and s.nope_layers == (0, 1, 2, 3) and s.rms_norm_eps == 1e-5
+    assert not s.qkv_bias and not s.o_bias  # transformers' Nemotron-H has none, whatever attention_bias says
+    assert (s.num_experts, s.experts_per_token, s.expert_size, s.shared_expert_size) == (8, 2, 24, 40)
+    assert s.sigmoid_routing and s.routing_bias and s.float_router and s.routed_scale == 2.5
+    assert s.expert_groups == (2, 1) and s.normalize_routing and not s.shared_expert_gated and s.dense_layers == (0, 1, 2)
+    assert [s.kv_entry(i)["kv_heads"] for i in range(4)] == [0, 0, 2, 0]
+    dense = ModelSpec.from_hf_config(_nemotron(layers_block_type=["mamba", "mlp", "attention", "mlp"]))
+    assert dense.block_kinds == ("mamba", "mlp", "attention", "mlp") and not dense.is_moe
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"layers_block_type": ["linear_attention", "mlp", "conv", "moe"]}, "layers_block_type .* must name each of the 4"),
+    ({"layers_block_type": ["linear_attention", "mlp", "mlp", "moe"]}, "names no `full_attention` layer"),
+    ({"moe_latent_size": 32}, "moe_latent_size 32: experts in a latent space are not supported"),
+    ({"mlp_hidden_act": "silu"}, "hidden_act `silu` is not supported"),
+    ({"n_groups": 3}, "mamba_num_heads 4 must be a multiple of n_groups 3"),
+])
+def test_what_nemotron_h_configs_are_refused_for(changes, message):
+    with pytest.raises(ModelError, match=message):
+        ModelSpec.from_hf_config(_nemotron(**changes))
+
+
+def test_nemotron_int8_runs_as_torch_operations(nemotron):
+    """Its ungated experts and MLPs packed too: near the float engine (measured 0.01)."""
+    assert packed_torch_path_distance(nemotron, "int8") < 0.1

@@ -236,6 +236,20 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                                         layer_types=["mamba", "attention", "mamba", "mamba"], position_embedding_type=None,
                                         mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=32,
                                         mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=32)
+    elif arch in ("nemotron_h", "nemotron_h-moe"):  # Nemotron-H: one kind a block (Mamba2 with 4 heads of 32 over 2
+        # groups of 16, attention without rotary, squared-ReLU MLPs; experts: 2 of 4 by biased sigmoid scores, scaled
+        # by 2.5, and a shared one)
+        from transformers import NemotronHConfig
+
+        kinds = ["linear_attention", "mlp", "full_attention", "moe" if arch.endswith("moe") else "mlp", "linear_attention",
+                 "mlp"]
+        config = NemotronHConfig(vocab_size=common["vocab_size"], hidden_size=64, layers_block_type=kinds,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                                 mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                                 n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                 moe_shared_expert_intermediate_size=40, routed_scaling_factor=2.5, n_group=1,
+                                 topk_group=1, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                 pad_token_id=0, tie_word_embeddings=False, layer_norm_epsilon=1e-5)
     elif arch in LATENT_ARCHS:  # multi-head latent attention: a latent of 32 and a rotated key of 8 a token;
         # query heads of 16 + 8 dimensions, value heads of 12
         common["num_key_value_heads"] = common["num_attention_heads"]  # as transformers' MLA needs

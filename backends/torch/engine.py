@@ -262,7 +262,7 @@ class TorchEngine:
         tokens (a rejected one would have moved the state on); speculative decoding is refused."""
         if options.speculative is not None or options.draft_model is not None:
             raise ValueError("speculative_config: speculative decoding is not supported for a model with "
-                             "linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's hybrids)")
+                             "linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's hybrids, Nemotron-H)")
         if options.prefix_caching:
             log.info("torch engine: linear-attention layers keep a state per sequence; no prefix cache")
             options.prefix_caching = False

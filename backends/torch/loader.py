@@ -199,6 +199,10 @@ _RENAMED = {
              ("model.embedding_norm.", "model.norm.")),
     # Hunyuan: its query and key norms
     "hunyuan_v1_dense": ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")),
+    # Nemotron-H: its embeddings and final norm, its blocks under `backbone.` (each block's `mixer.`
+    # is named by its kind when the model loads: model._name_blocks)
+    "nemotron_h": (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
+                   ("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm.")),
     # Apertus: its blocks' input norms
     "apertus": ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm.")),
 }

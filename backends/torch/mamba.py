@@ -1,13 +1,14 @@
-"""Mamba2 layers (Granite 4's hybrid models), over per-sequence state.
+"""Mamba2 layers (Granite 4's hybrid models, Nemotron-H), over per-sequence state.
 
 A Mamba2 mixer projects each token to a gate ``z``, the convolution's input (``x`` of
 ``heads x head_dim``, and ``B``, ``C`` of ``groups x state_size``, each group serving
 ``heads / groups`` heads) and a time step per head. After the short causal convolution (then
 SiLU), each head's state ``h [state_size, head_dim]`` follows the selective state space model::
 
-    dt = clamp(softplus(dt + dt_bias));  h = exp(dt A) h + B (dt x)^T;  y = h^T C + D x
+    dt = softplus(dt + dt_bias);  h = exp(dt A) h + B (dt x)^T;  y = h^T C + D x
 
-with ``A = -exp(A_log)``. That is the delta rule of :mod:`.delta` without its correction:
+with ``A = -exp(A_log)`` (and ``dt`` within ``time_step_limit`` in a prompt's tokens, not in
+a decoded one's, as the reference implementations do). That is the delta rule of :mod:`.delta` without its correction:
 decayed linear attention with ``C`` for queries, ``B`` for keys and ``dt x`` for values, which
 is how it runs here (:func:`.delta.delta_rule_step`, :func:`.delta.delta_rule_chunked` with no
 ``beta``; transformers' chunked scan is the same sums). The output is gated by ``silu(z)``,
@@ -63,27 +64,53 @@ class MambaShape:
     def of(cls, cfg: Any, error: Callable[[str], Exception]) -> "MambaShape":
         """From a Granite 4 config's ``mamba_*`` keys (``mamba_d_head`` "auto": the inner width,
         ``mamba_expand * hidden_size``, over the heads)."""
-        heads, groups = getattr(cfg, "mamba_n_heads", None), getattr(cfg, "mamba_n_groups", None)
-        state, kernel = getattr(cfg, "mamba_d_state", None), getattr(cfg, "mamba_d_conv", None)
-        expand = getattr(cfg, "mamba_expand", None)
-        for key, value in (("mamba_n_heads", heads), ("mamba_n_groups", groups), ("mamba_d_state", state),
-                           ("mamba_d_conv", kernel), ("mamba_expand", expand)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise error(f"{key} {value!r} must be a positive integer")
+        heads, groups, state, kernel, expand = _positive(cfg, error, "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
+                                                         "mamba_d_conv", "mamba_expand")
         head_dim = getattr(cfg, "mamba_d_head", "auto")
         if head_dim == "auto":
             head_dim = expand * cfg.hidden_size // heads
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim * heads != expand * cfg.hidden_size:
             raise error(f"mamba_d_head {head_dim!r} times mamba_n_heads {heads} must be mamba_expand * hidden_size, "
                         f"{expand * cfg.hidden_size}")
-        if heads % groups:
-            raise error(f"mamba_n_heads {heads} must be a multiple of mamba_n_groups {groups}")
         limit = getattr(cfg, "time_step_limit", None)
         limit = (0.0, float("inf")) if limit is None else tuple(float(x) for x in limit)
         if len(limit) != 2 or not 0 <= limit[0] <= limit[1]:
             raise error(f"time_step_limit {limit!r} must be two numbers, 0 <= low <= high")
-        return cls(heads, head_dim, groups, state, kernel, bool(getattr(cfg, "mamba_conv_bias", True)),
-                   bool(getattr(cfg, "mamba_proj_bias", False)), limit)
+        return cls._grouped(error, "mamba_n_heads", "mamba_n_groups", heads, head_dim, groups, state, kernel,
+                            bool(getattr(cfg, "mamba_conv_bias", True)), bool(getattr(cfg, "mamba_proj_bias", False)),
+                            limit)
+
+    @classmethod
+    def of_nemotron(cls, cfg: Any, error: Callable[[str], Exception]) -> "MambaShape":
+        """From a Nemotron-H config: ``mamba_num_heads`` of ``mamba_head_dim``, ``n_groups``,
+        ``ssm_state_size``, ``conv_kernel``; biases by ``use_conv_bias`` and ``use_bias``; time
+        steps at least ``time_step_min`` (transformers' Nemotron-H ignores ``time_step_limit``)."""
+        heads, head_dim, groups, state, kernel = _positive(cfg, error, "mamba_num_heads", "mamba_head_dim", "n_groups",
+                                                           "ssm_state_size", "conv_kernel")
+        low = float(getattr(cfg, "time_step_min", 0.0))
+        if not low >= 0:
+            raise error(f"time_step_min {low!r} must be a number, at least 0")
+        return cls._grouped(error, "mamba_num_heads", "n_groups", heads, head_dim, groups, state, kernel,
+                            bool(getattr(cfg, "use_conv_bias", True)), bool(getattr(cfg, "use_bias", False)),
+                            (low, float("inf")))
+
+    @classmethod
+    def _grouped(cls, error: Callable[[str], Exception], heads_key: str, groups_key: str, heads: int,
+                 *rest: Any) -> "MambaShape":
+        """The shape, refused where the groups of B and C do not split the heads evenly."""
+        groups = rest[1]
+        if heads % groups:
+            raise error(f"{heads_key} {heads} must be a multiple of {groups_key} {groups}")
+        return cls(heads, *rest)
+
+
+def _positive(cfg: Any, error: Callable[[str], Exception], *keys: str) -> list[int]:
+    """The config's ``keys``, each refused unless a positive integer."""
+    values = [getattr(cfg, key, None) for key in keys]
+    for key, value in zip(keys, values):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise error(f"{key} {value!r} must be a positive integer")
+    return values
 
 
 class Mamba2Mixer(nn.Module):
@@ -113,8 +140,12 @@ class Mamba2Mixer(nn.Module):
         u = u.view(n, s.heads, s.head_dim)
         group = s.heads // s.groups
         b, c = (t.view(n, s.groups, s.state_size).repeat_interleave(group, dim=1) for t in (b, c))
-        # The time steps in the model's dtype, as transformers takes them, then float32.
-        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*s.dt_limit).float()
+        # The time steps in the model's dtype, as transformers takes them, then float32; held
+        # within dt_limit in prompt chunks only, as Mamba2's chunked scan does (mamba_ssm's and
+        # transformers'), its one-token update not.
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).float()
+        if s.dt_limit != (0.0, float("inf")):
+            dt[meta.num_decode :] = dt[meta.num_decode :].clamp(*s.dt_limit)
         g = dt * -self.A_log.float().exp()
         v = u * dt[..., None]
         out = torch.empty_like(u)

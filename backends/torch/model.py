@@ -3,7 +3,8 @@ Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Comman
 Apertus, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
 Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with short convolutions (:mod:`.conv`);
-Qwen3-Next and Qwen3.5 with Gated DeltaNet linear attention (:mod:`.delta`)) as plain torch modules.
+Qwen3-Next and Qwen3.5 with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids and
+Nemotron-H with Mamba2 layers (:mod:`.mamba`)) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -174,8 +175,12 @@ class ModelSpec:
     linear_layers: tuple[int, ...] = ()
     delta: DeltaShape | None = None
     gated_attention: bool = False
-    # Granite 4's hybrids: their linear_layers are Mamba2 layers (:mod:`.mamba`) of this shape.
+    # Granite 4's hybrids and Nemotron-H: their linear_layers are Mamba2 layers (:mod:`.mamba`) of this shape.
     mamba: MambaShape | None = None
+    # Nemotron-H: each layer is one block of one kind, "mamba", "attention", "mlp" (ungated,
+    # squared ReLU) or "moe", its input normed, its output added to the residual; empty: every
+    # layer is attention (or its stand-in) then an MLP.
+    block_kinds: tuple[str, ...] = ()
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
@@ -183,7 +188,7 @@ class ModelSpec:
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
-                 "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+                 "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h")
     IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -194,7 +199,9 @@ class ModelSpec:
     (``mrope_section``) turns every section by the same position on text, which is the plain
     rotary. Their outer configs say whether the embeddings are tied."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
-    ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu"}  # the config's name -> ours
+    ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu", "relu2": "relu2"}  # the config's name -> ours
+    OWN_ACTIVATIONS = {"xielu": "apertus", "relu2": "nemotron_h"}
+    """Activations one model type has (its ungated MLPs'), and which."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
     LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
@@ -213,7 +220,8 @@ class ModelSpec:
         linear-attention layer."""
         if layer in self.conv_layers:
             return dict(kv_heads=1, head_dim=self.hidden_size, values_in_keys=0)
-        if layer in self.linear_layers:  # nothing a token: the layer's state is the sequence's (state.py)
+        if layer in self.linear_layers or (self.block_kinds and self.block_kinds[layer] != "attention"):
+            # nothing a token: the layer's state is the sequence's (state.py), or it is an MLP block
             return dict(kv_heads=0, head_dim=0, values_in_keys=None)
         if self.latent is not None:
             return dict(kv_heads=1, head_dim=self.latent.cache_dim, values_in_keys=self.latent.kv_rank)
@@ -340,11 +348,15 @@ class ModelSpec:
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
         act = (getattr(cfg, "hidden_activation", None) if gemma else None) or getattr(cfg, "hidden_act", "silu")
+        if model_type == "nemotron_h":
+            act = getattr(cfg, "mlp_hidden_act", "relu2")
         if gemma and act == "gelu":
             act = "gelu_pytorch_tanh"  # Gemma's first releases say "gelu" and mean the tanh form, as transformers reads it
-        if act not in cls.ACTIVATIONS or (act == "xielu") != (model_type == "apertus"):
-            supported = ", ".join(a for a in cls.ACTIVATIONS if a != "xielu")
-            raise ModelError(f"hidden_act `{act}` is not supported; supported: {supported} (xielu: Apertus's)")
+        if act not in cls.ACTIVATIONS or cls.OWN_ACTIVATIONS.get(act, model_type) != model_type or (
+                model_type in cls.OWN_ACTIVATIONS.values() and act not in cls.OWN_ACTIVATIONS):
+            supported = ", ".join(a for a in cls.ACTIVATIONS if a not in cls.OWN_ACTIVATIONS)
+            raise ModelError(f"hidden_act `{act}` is not supported; supported: {supported} (xielu: Apertus's; "
+                             "relu2: Nemotron-H's)")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         latent = LatentShape.of(cfg, ModelError) if model_type in cls.LATENT else None
@@ -400,7 +412,7 @@ class ModelSpec:
                 raise ModelError(f"{key} {cap} must be a positive number")
         granite = _granite_multipliers(cfg) if model_type in GRANITES else {}
         granite4 = model_type == "granitemoehybrid"
-        mamba = _granite4_layers(cfg) if granite4 else {}
+        mamba = _granite4_layers(cfg) if granite4 else _nemotron_blocks(cfg) if model_type == "nemotron_h" else {}
         olmo = model_type in ("olmo2", "olmo3")
         exaone = model_type == "exaone4"  # OLMo 2's output norms (in the model's dtype), per-head q/k norms
         if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
@@ -437,14 +449,16 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.layer_norm_eps if cohere else cfg.norm_eps if lfm2 else cfg.rms_norm_eps,
+            rms_norm_eps=cfg.layer_norm_eps if cohere else cfg.norm_eps if lfm2 else cfg.layer_norm_epsilon
+            if model_type == "nemotron_h" else cfg.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position=cfg.max_position_embeddings,
             tie_word_embeddings=tied,
             # Qwen2 always has q, k and v biases; Qwen2-MoE unless its config says qkv_bias false.
             # GLM-4.1V's language model has them without saying so.
-            qkv_bias=bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2" or use_bias
+            qkv_bias=(bool(getattr(cfg, "attention_bias", False)) and model_type != "nemotron_h") or model_type == "qwen2"
+            or use_bias
             or getattr(cfg, "model_type", None) == "glm4v_text"
             or (model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)) or use_bias,
@@ -471,12 +485,12 @@ class ModelSpec:
             local_rope_theta=float(local.get("rope_theta", 10000.0)) if local is not None else None,
             local_rope_scaling=local_scaling,
             scaled_max_position=model_type == "gemma3_text",
-            float_norms=gemma or olmo or model_type == "gpt_oss",
+            float_norms=gemma or olmo or model_type in ("gpt_oss", "nemotron_h"),
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (
                 _full_layers(cfg, sliding_layers) if exaone and window else ()) or (
-                tuple(range(cfg.num_hidden_layers)) if granite4 and getattr(cfg, "position_embedding_type", None) != "rope"
-                else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()),
+                tuple(range(cfg.num_hidden_layers)) if (granite4 and getattr(cfg, "position_embedding_type", None) != "rope")
+                or model_type == "nemotron_h" else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()),
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
@@ -501,7 +515,7 @@ def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
         return use_bias
     if model_type == "seed_oss":
         return bool(getattr(cfg, "attention_out_bias", False))
-    if model_type in ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe"):
+    if model_type in ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe", "nemotron_h"):  # Nemotron-H: none at all
         return False
     return bool(getattr(cfg, "attention_bias", False))
 
@@ -598,6 +612,38 @@ def _granite4_layers(cfg: Any) -> dict[str, Any]:
     if len(linear) == len(kinds):  # the KV blocks would hold nothing (and count nothing)
         raise ModelError("layer_types names no `attention` layer; a model of Mamba layers alone is not supported")
     return dict(linear_layers=linear, mamba=MambaShape.of(cfg, ModelError))
+
+
+NEMOTRON_BLOCKS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
+                   "mlp": "mlp", "moe": "moe"}
+"""Nemotron-H's block kinds (transformers 5's names and the older ones) -> ours."""
+
+
+def _nemotron_blocks(cfg: Any) -> dict[str, Any]:
+    """Nemotron-H's blocks (``layers_block_type``; older configs' ``hybrid_override_pattern``,
+    which transformers reads into it), its Mamba2 layers' shape, and its experts: routed as
+    DeepSeek-V3 (sigmoid scores plus a choice bias, groups, ``routed_scaling_factor``), ungated
+    squared-ReLU experts of ``moe_intermediate_size`` and one shared expert of
+    ``moe_shared_expert_intermediate_size``, added ungated."""
+    kinds = [NEMOTRON_BLOCKS.get(kind, kind) for kind in (getattr(cfg, "layers_block_type", None) or ())]
+    if len(kinds) != cfg.num_hidden_layers or set(kinds) - set(NEMOTRON_BLOCKS.values()):
+        raise ModelError(f"layers_block_type {kinds!r} must name each of the {cfg.num_hidden_layers} layers "
+                         "`linear_attention` (Mamba2), `full_attention`, `mlp` or `moe`")
+    if "attention" not in kinds:  # the KV blocks would hold nothing (and count nothing)
+        raise ModelError("layers_block_type names no `full_attention` layer; a model without attention is not supported")
+    out: dict[str, Any] = dict(block_kinds=tuple(kinds), mamba=MambaShape.of_nemotron(cfg, ModelError),
+                               linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "mamba"))
+    if "moe" in kinds:
+        if getattr(cfg, "moe_latent_size", None) is not None:
+            raise ModelError(f"moe_latent_size {cfg.moe_latent_size}: experts in a latent space are not supported")
+        experts = cfg.n_routed_experts
+        out.update(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts),
+                   expert_size=cfg.moe_intermediate_size, shared_expert_size=cfg.moe_shared_expert_intermediate_size,
+                   shared_expert_gated=False, routing_bias=True, sigmoid_routing=True, float_router=True,
+                   float_routing_weights=True, normalize_routing=bool(cfg.norm_topk_prob),
+                   dense_layers=tuple(i for i, kind in enumerate(kinds) if kind != "moe"),
+                   **_groups_and_scale(cfg, experts))
+    return out
 
 
 def _granite_multipliers(cfg: Any) -> dict[str, float]:
@@ -1162,6 +1208,26 @@ class XieluMLP(nn.Module):
             weights.copy(getattr(self, name), key, value)
 
 
+class PlainMLP(nn.Module):
+    """An ungated MLP, ``down(relu(up(x)) ** 2)``: Nemotron-H's blocks and experts (squared ReLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+
+    def load(self, prefix: str, weights: WeightReader) -> None:
+        """``prefix``: ``layers.N.mlp.`` (or an expert's)."""
+        for name in ("up_proj", "down_proj"):
+            linear = getattr(self, name)
+            weights.copy(linear.weight, f"{prefix}{name}.weight")
+            if linear.bias is not None:
+                weights.copy(linear.bias, f"{prefix}{name}.bias")
+
+
 class MLP(nn.Module):
     """A gated MLP, ``down(act(gate(x)) * up(x))`` with gate and up in one matmul: SwiGLU
     (``act`` SiLU), or Gemma's GeGLU (``activation="gelu_tanh"``: GELU's tanh form), or with
@@ -1198,7 +1264,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: _norm(spec, spec.hidden_size)  # noqa: E731
         self.input_layernorm = norm() if spec.input_norms else None
-        self.self_attn: Attention | LatentAttention | ShortConv | GatedDeltaNet | Mamba2Mixer
+        self.self_attn: Attention | LatentAttention | ShortConv | GatedDeltaNet | Mamba2Mixer | None
+        self.mlp: MLP | SparseMoE | XieluMLP | PlainMLP | None
+        self.block = spec.block_kinds[layer] if spec.block_kinds else None
+        if self.block is not None:  # Nemotron-H: one block, one kind
+            self._single_block(spec, layer)
+            return
         if layer in spec.conv_layers:  # LFM2: a short convolution in attention's place
             self.self_attn = ShortConv(spec.hidden_size, spec.conv_kernel, spec.conv_bias, layer)
         elif layer in spec.linear_layers and spec.mamba is not None:  # Granite 4's hybrids
@@ -1216,7 +1287,6 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = norm() if spec.sandwich_norms else None
         self.mlp_out_norm = norm() if spec.sandwich_norms else None
         self.residual_scale = spec.residual_scale
-        self.mlp: MLP | SparseMoE | XieluMLP
         if spec.activation == "xielu":
             self.mlp = XieluMLP(spec.hidden_size, spec.intermediate_size)
         elif spec.is_sparse(layer):
@@ -1226,11 +1296,33 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.activation)
 
+    def _single_block(self, spec: ModelSpec, layer: int) -> None:
+        """A Nemotron-H block: its norm, then its one mixer (Mamba2, attention) or MLP (ungated,
+        or experts of ungated ones)."""
+        self.self_attn = self.mlp = None
+        if self.block == "mamba":
+            self.self_attn = Mamba2Mixer(spec.hidden_size, spec.mamba, spec.rms_norm_eps, layer)
+        elif self.block == "attention":
+            self.self_attn = Attention(spec, layer)
+        elif self.block == "moe":
+            self.mlp = SparseMoE(spec, lambda size: PlainMLP(spec.hidden_size, size, spec.mlp_bias))
+        else:
+            self.mlp = PlainMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.post_attention_layernorm = self.attn_out_norm = self.mlp_out_norm = None
+        self.parallel, self.residual_scale = False, None
+
+    @property
+    def sliding(self) -> bool:
+        """Whether the layer's attention slides (takes the local rotary tables)."""
+        return self.self_attn is not None and self.self_attn.sliding
+
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
         q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         normed = _normed(self.input_layernorm, x)
+        if self.block is not None:  # one block: its mixer or its MLP, added to the residual
+            return x + (self.self_attn(normed, rope, meta, q_scale) if self.self_attn is not None else self.mlp(normed))
         h = self.self_attn(normed, rope, meta, q_scale)
         if self.parallel:  # Cohere: both blocks from the same input, both added to it
             return x + h + self.mlp(normed)
@@ -1334,7 +1426,7 @@ class CausalLM(nn.Module):
         if self.query_scales is not None:
             q_scale = self.query_scales[positions].to(x.dtype)[:, None, None]
         for layer in self.layers:
-            x = layer(x, local if layer.self_attn.sliding else rope, meta, q_scale)
+            x = layer(x, local if layer.sliding else rope, meta, q_scale)
         # Only rows that sample need the (large) vocabulary projection.
         return self.final_logits(self.lm_head(self.norm(x[logits_rows])))
 
@@ -1343,6 +1435,8 @@ class CausalLM(nn.Module):
         other supported architectures' own names). ``loaded``: called on each decoder layer once
         its weights are all in."""
         spec = self.spec
+        if spec.block_kinds:
+            _name_blocks(state, spec.block_kinds)
         weights = WeightReader(state, ModelError, self, fp8=spec.fp8_block if spec.fp8_weights else False)
         weights.copy(self.embed_tokens.weight, "embed_tokens.weight")
         rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
@@ -1353,6 +1447,12 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn = layer.self_attn
+            if layer.block is not None:  # Nemotron-H: one block's weights, then its norm
+                self._load_block(layer, p, weights, reorder)
+                if loaded is not None:
+                    _all_loaded(layer, p)
+                    loaded(layer)
+                continue
             if isinstance(attn, ShortConv):
                 attn.load(p + "conv.", weights)
             elif isinstance(attn, GatedDeltaNet):
@@ -1431,6 +1531,19 @@ class CausalLM(nn.Module):
             weights.copy(attn.sinks, p + "self_attn.sinks")
 
 
+    def _load_block(self, layer: DecoderLayer, p: str, weights: WeightReader,
+                    reorder: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """A Nemotron-H block's weights, named by :func:`_name_blocks`."""
+        if isinstance(layer.self_attn, Mamba2Mixer):
+            layer.self_attn.load(p + "mamba.", weights)
+        elif layer.self_attn is not None:
+            self._load_attention(layer.self_attn, p, weights, reorder)
+        elif isinstance(layer.mlp, SparseMoE):
+            layer.mlp.load(p, weights)
+        else:
+            layer.mlp.load(p + "mlp.", weights)
+        weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
+
     @staticmethod
     def _gated(attn: Attention, qkv: list[torch.Tensor], reorder: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """q, k and v's rows as one (their rotated rows moved by ``reorder``), then the gates';
@@ -1444,6 +1557,21 @@ class CausalLM(nn.Module):
             qkv[0], gate = heads[:, 0].flatten(0, 1), heads[:, 1].flatten(0, 1)
         merged = reorder(torch.cat(qkv))
         return merged if gate is None else torch.cat((merged, gate))
+
+
+BLOCK_PARTS = {"mamba": "mamba.", "attention": "self_attn.", "mlp": "mlp.", "moe": "mlp."}
+"""Where a Nemotron-H block's ``mixer.`` weights go, by its kind: the names our layers read."""
+
+
+def _name_blocks(state: dict[str, torch.Tensor], kinds: tuple[str, ...]) -> None:
+    """Rename a Nemotron-H checkpoint's block weights (``layers.N.mixer.`` and ``layers.N.norm.``)
+    in place to the names our layers read, by each block's kind."""
+    for key in list(state):
+        found = re.match(r"((?:model\.)?layers\.(\d+)\.)(mixer\.|norm\.)", key)
+        if found is None or int(found.group(2)) >= len(kinds):
+            continue
+        part = BLOCK_PARTS[kinds[int(found.group(2))]] if found.group(3) == "mixer." else "input_layernorm."
+        state[found.group(1) + part + key[found.end():]] = state.pop(key)
 
 
 def _layer_of(key: str) -> int:

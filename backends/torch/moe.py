@@ -159,6 +159,9 @@ class SparseMoE(nn.Module):
             state.copy(self.gate.bias, router + "bias")
         if self.choice_bias is not None:
             self._load_choice_bias(moe, state)
+        if not hasattr(self.experts[0], "gate_up_proj"):  # Nemotron-H's ungated experts and shared expert
+            self._load_ungated(moe, state)
+            return
         stacked = None
         if granite:
             stacked = ("input_linear.weight", "output_linear.weight")
@@ -188,6 +191,23 @@ class SparseMoE(nn.Module):
             load_mlp(self.shared_expert, moe + ("shared_experts." if plural else "shared_expert."), state)
         if self.shared_expert_gate is not None:
             state.copy(self.shared_expert_gate.weight, moe + "shared_expert_gate.weight")
+
+    def _load_ungated(self, moe: str, state: WeightReader) -> None:
+        """Ungated experts (Nemotron-H's: ``up_proj`` and ``down_proj``), one matrix each
+        (``experts.E.up_proj.weight``) or stacked as transformers 5 holds them (``experts.up_proj
+        [E, I, H]``, ``experts.down_proj [E, H, I]``), and the shared expert (``shared_experts.``)."""
+        if state.has(moe + "experts.up_proj"):
+            for name in ("up_proj", "down_proj"):
+                matrices = state.take(f"{moe}experts.{name}")
+                if matrices.shape[0] != self.num_experts:
+                    raise state.error(f"`{moe}experts.{name}` holds {matrices.shape[0]} experts, the config {self.num_experts}")
+                for e, expert in enumerate(self.experts):
+                    state.copy(getattr(expert, name).weight, f"{moe}experts.{name}[{e}]", matrices[e])
+        else:
+            for e, expert in enumerate(self.experts):
+                expert.load(f"{moe}experts.{e}.", state)
+        if self.shared_expert is not None:
+            self.shared_expert.load(moe + "shared_experts.", state)
 
     CHOICE_BIAS_NAMES = ("gate.e_score_correction_bias", "e_score_correction_bias", "moe_statics.e_score_correction_bias",
                          "gate.moe_statics.e_score_correction_bias")

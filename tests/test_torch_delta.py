@@ -302,3 +302,51 @@ def test_adapters_speculative_decoding_and_recurrent_draft_models_are_refused(ne
 ])
 def test_weights_of_other_shapes_than_the_config_are_refused(next_folder, tmp_path, changes, message):
     assert_built_with_config_refused(next_folder, tmp_path / "bad", changes, message)
+
+
+def test_over_http_with_the_openai_sdk(next_folder, tmp_path):
+    """A Qwen3-Next model served by the router: two greedy choices of one prompt (n = 2, each
+    computing the prompt: no prefix cache to share it) equal to transformers' tokens, usage
+    adding up with nothing cached, a stream of one chunk a token whose final usage agrees, and
+    no runtime LoRA loading offered for it."""
+    import httpx
+    import openai
+
+    from server import RouterProcess
+
+    router = RouterProcess(f"""
+[server]
+runtime_lora_updating = true
+
+[[models]]
+name = "next"
+backend = "torch"
+path = "{next_folder}"
+max_model_len = 256
+kv_cache_gb = 0.05
+block_size = 4
+max_batched_tokens = 16
+""", tmp_path)
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="none")
+        prompt = random_prompts(8, (20,))[0]
+        expected = hf_greedy(next_folder, prompt, 8)
+        both = client.completions.create(model="next", prompt=prompt, max_tokens=8, temperature=0, n=2,
+                                         logprobs=1, extra_body={"ignore_eos": True})
+        assert [len(c.logprobs.tokens) for c in both.choices] == [8, 8]
+        assert both.choices[0].text == both.choices[1].text
+        assert both.usage.prompt_tokens == 20 and both.usage.completion_tokens == 16
+        assert not (both.usage.prompt_tokens_details and both.usage.prompt_tokens_details.cached_tokens)
+        ids = client.completions.create(model="next", prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert ids.choices[0].token_ids == expected
+        chunks = list(client.completions.create(model="next", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        texts = [c.choices[0].text for c in chunks if c.choices]
+        assert len([t for t in texts if t]) >= 6 and "".join(texts) == both.choices[0].text
+        assert chunks[-1].usage.completion_tokens == 8
+        refused = httpx.post(router.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"})
+        assert refused.status_code == 400 and "take LoRA adapters" in refused.text
+    finally:
+        router.stop()

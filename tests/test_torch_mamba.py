@@ -13,7 +13,7 @@ import torch
 
 from backends.torch.delta import delta_rule_chunked, delta_rule_step
 from backends.torch.mamba import MambaShape
-from backends.torch.model import ModelError, ModelSpec
+from backends.torch.model import CausalLM, ModelError, ModelSpec
 from test_torch_delta import _random_rule_inputs
 from test_torch_engine import generate, random_prompts, run, small_steps_engine
 from test_torch_gemma import packed_torch_path_distance
@@ -78,6 +78,7 @@ def test_granite4_hybrid_specs():
     ({"mamba_d_state": 0}, "mamba_d_state 0 must be a positive integer"),
     ({"time_step_limit": [0.5, 0.1]}, r"time_step_limit \(0.5, 0.1\) must be two numbers, 0 <= low <= high"),
     ({"layer_types": ["linear_attention"] * 4}, "names no `attention` layer; a model of Mamba layers alone"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act `gelu_pytorch_tanh`: Granite 4's Mamba layers are supported with"),
 ])
 def test_what_granite4_hybrid_configs_are_refused_for(changes, message):
     with pytest.raises(ModelError, match=message):
@@ -112,24 +113,25 @@ def test_nemotron_blocks_keep_keys_and_values_in_their_attention_block_alone(nem
         run(engine.stop())
 
 
-def test_nemotron_time_steps_are_held_above_time_step_min(nemotron, tmp_path):
-    """With time_step_min 2 (most of the tiny model's time steps are below it), transformers'
-    output changes and the engine's with it: a prompt's time steps held at 2 or more, decoded
-    tokens' not (transformers' one-token update ignores the floor, as mamba_ssm's does)."""
+def test_time_steps_are_held_within_time_step_limit_in_prompts(dense, tmp_path):
+    """Granite with time_step_limit [2, inf] (most of the tiny model's time steps are below 2):
+    transformers' output changes and the engine's with it: a prompt's time steps held at 2 or
+    more, decoded tokens' not (transformers' one-token update ignores the limit, as mamba_ssm's
+    does)."""
     import json
     import shutil
 
     folder = tmp_path / "floor"
-    shutil.copytree(nemotron, folder)
+    shutil.copytree(dense, folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "time_step_min": 2.0}))
+    (folder / "config.json").write_text(json.dumps({**config, "time_step_limit": [2.0, 1e9]}))
     prompt = random_prompts(3, (30,))[0]
     engine = small_steps_engine(folder)
     try:
         got = run(generate(engine, prompt, 10))[0]
     finally:
         run(engine.stop())
-    assert got == hf_greedy(folder, prompt, 10) != hf_greedy(nemotron, prompt, 10)
+    assert got == hf_greedy(folder, prompt, 10) != hf_greedy(dense, prompt, 10)
 
 
 def _nemotron(**changes):
@@ -147,7 +149,9 @@ def _nemotron(**changes):
 def test_nemotron_h_specs():
     s = ModelSpec.from_hf_config(_nemotron())
     assert s.block_kinds == ("mamba", "mlp", "attention", "moe") and s.linear_layers == (0,)
-    assert s.mamba == MambaShape(4, 32, 2, 16, 4, True, False, (0.001, float("inf")))
+    # time_step_limit as NVIDIA's code reads it (none here), not transformers 5's time_step_min floor
+    assert s.mamba == MambaShape(4, 32, 2, 16, 4, True, False, (0.0, float("inf")))
+    assert ModelSpec.from_hf_config(_nemotron(time_step_limit=[0.01, 1.0])).mamba.dt_limit == (0.01, 1.0)
     assert s.activation == "relu2" and s.float_norms and s.nope_layers == (0, 1, 2, 3) and s.rms_norm_eps == 1e-5
     assert not s.qkv_bias and not s.o_bias  # transformers' Nemotron-H has none, whatever attention_bias says
     assert (s.num_experts, s.experts_per_token, s.expert_size, s.shared_expert_size) == (8, 2, 24, 40)
@@ -156,6 +160,11 @@ def test_nemotron_h_specs():
     assert [s.kv_entry(i)["kv_heads"] for i in range(4)] == [0, 0, 2, 0]
     dense = ModelSpec.from_hf_config(_nemotron(layers_block_type=["mamba", "mlp", "attention", "mlp"]))
     assert dense.block_kinds == ("mamba", "mlp", "attention", "mlp") and not dense.is_moe
+    # mlp_bias: the MLP blocks' and the shared expert's biases; routed experts never have any
+    biased = CausalLM(ModelSpec.from_hf_config(_nemotron(mlp_bias=True)), 8)
+    moe = biased.layers[3].mlp
+    assert moe.experts[0].up_proj.bias is None and moe.shared_expert.up_proj.bias is not None
+    assert biased.layers[1].mlp.down_proj.bias is not None
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -164,6 +173,7 @@ def test_nemotron_h_specs():
     ({"moe_latent_size": 32}, "moe_latent_size 32: experts in a latent space are not supported"),
     ({"mlp_hidden_act": "silu"}, "hidden_act `silu` is not supported"),
     ({"n_groups": 3}, "mamba_num_heads 4 must be a multiple of n_groups 3"),
+    ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act `gelu` is not supported; supported: silu"),
 ])
 def test_what_nemotron_h_configs_are_refused_for(changes, message):
     with pytest.raises(ModelError, match=message):

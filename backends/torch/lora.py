@@ -83,7 +83,7 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     fail, scale, weights_file = peft.error, peft.scale, peft.weights_file
     if spec.conv_layers:  # its projections are named and shaped otherwise, layer by layer
         raise fail("adapters of a model with short convolutions (LFM2) are not supported")
-    if spec.recurrent:  # the same, and its attention's q_proj holds gates too
+    if spec.recurrent or spec.block_kinds:  # the same, and its attention's q_proj holds gates too
         raise fail("adapters of a model with linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's "
                    "hybrids, Nemotron-H) are not supported")
     if spec.activation == "xielu":  # no gate_up_proj to add to

@@ -72,27 +72,22 @@ class MambaShape:
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim * heads != expand * cfg.hidden_size:
             raise error(f"mamba_d_head {head_dim!r} times mamba_n_heads {heads} must be mamba_expand * hidden_size, "
                         f"{expand * cfg.hidden_size}")
-        limit = getattr(cfg, "time_step_limit", None)
-        limit = (0.0, float("inf")) if limit is None else tuple(float(x) for x in limit)
-        if len(limit) != 2 or not 0 <= limit[0] <= limit[1]:
-            raise error(f"time_step_limit {limit!r} must be two numbers, 0 <= low <= high")
         return cls._grouped(error, "mamba_n_heads", "mamba_n_groups", heads, head_dim, groups, state, kernel,
                             bool(getattr(cfg, "mamba_conv_bias", True)), bool(getattr(cfg, "mamba_proj_bias", False)),
-                            limit)
+                            _time_step_limit(cfg, error))
 
     @classmethod
     def of_nemotron(cls, cfg: Any, error: Callable[[str], Exception]) -> "MambaShape":
         """From a Nemotron-H config: ``mamba_num_heads`` of ``mamba_head_dim``, ``n_groups``,
         ``ssm_state_size``, ``conv_kernel``; biases by ``use_conv_bias`` and ``use_bias``; time
-        steps at least ``time_step_min`` (transformers' Nemotron-H ignores ``time_step_limit``)."""
+        steps within ``time_step_limit``, as NVIDIA's own Nemotron-H code holds them (its
+        releases: none). transformers 5's port floors them at ``time_step_min`` instead (0.001
+        in the releases; it differs where a prompt's time step is below that)."""
         heads, head_dim, groups, state, kernel = _positive(cfg, error, "mamba_num_heads", "mamba_head_dim", "n_groups",
                                                            "ssm_state_size", "conv_kernel")
-        low = float(getattr(cfg, "time_step_min", 0.0))
-        if not low >= 0:
-            raise error(f"time_step_min {low!r} must be a number, at least 0")
         return cls._grouped(error, "mamba_num_heads", "n_groups", heads, head_dim, groups, state, kernel,
                             bool(getattr(cfg, "use_conv_bias", True)), bool(getattr(cfg, "use_bias", False)),
-                            (low, float("inf")))
+                            _time_step_limit(cfg, error))
 
     @classmethod
     def _grouped(cls, error: Callable[[str], Exception], heads_key: str, groups_key: str, heads: int,
@@ -102,6 +97,15 @@ class MambaShape:
         if heads % groups:
             raise error(f"{heads_key} {heads} must be a multiple of {groups_key} {groups}")
         return cls(heads, *rest)
+
+
+def _time_step_limit(cfg: Any, error: Callable[[str], Exception]) -> tuple[float, float]:
+    """``time_step_limit``, checked; none (0 to infinity) where the config has none."""
+    limit = getattr(cfg, "time_step_limit", None)
+    limit = (0.0, float("inf")) if limit is None else tuple(float(x) for x in limit)
+    if len(limit) != 2 or not 0 <= limit[0] <= limit[1]:
+        raise error(f"time_step_limit {limit!r} must be two numbers, 0 <= low <= high")
+    return limit
 
 
 def _positive(cfg: Any, error: Callable[[str], Exception], *keys: str) -> list[int]:
@@ -143,9 +147,10 @@ class Mamba2Mixer(nn.Module):
         # The time steps in the model's dtype, as transformers takes them, then float32; held
         # within dt_limit in prompt chunks only, as Mamba2's chunked scan does (mamba_ssm's and
         # transformers'), its one-token update not.
-        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).float()
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
         if s.dt_limit != (0.0, float("inf")):
             dt[meta.num_decode :] = dt[meta.num_decode :].clamp(*s.dt_limit)
+        dt = dt.float()
         g = dt * -self.A_log.float().exp()
         v = u * dt[..., None]
         out = torch.empty_like(u)

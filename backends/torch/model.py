@@ -611,6 +611,8 @@ def _granite4_layers(cfg: Any) -> dict[str, Any]:
         return {}
     if len(linear) == len(kinds):  # the KV blocks would hold nothing (and count nothing)
         raise ModelError("layer_types names no `attention` layer; a model of Mamba layers alone is not supported")
+    if getattr(cfg, "hidden_act", "silu") != "silu":  # transformers' Mamba layers convolve with it too
+        raise ModelError(f"hidden_act `{cfg.hidden_act}`: Granite 4's Mamba layers are supported with `silu` only")
     return dict(linear_layers=linear, mamba=MambaShape.of(cfg, ModelError))
 
 
@@ -631,6 +633,8 @@ def _nemotron_blocks(cfg: Any) -> dict[str, Any]:
                          "`linear_attention` (Mamba2), `full_attention`, `mlp` or `moe`")
     if "attention" not in kinds:  # the KV blocks would hold nothing (and count nothing)
         raise ModelError("layers_block_type names no `full_attention` layer; a model without attention is not supported")
+    if getattr(cfg, "mamba_hidden_act", "silu") != "silu":
+        raise ModelError(f"mamba_hidden_act `{cfg.mamba_hidden_act}` is not supported; supported: silu")
     out: dict[str, Any] = dict(block_kinds=tuple(kinds), mamba=MambaShape.of_nemotron(cfg, ModelError),
                                linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "mamba"))
     if "moe" in kinds:
@@ -1305,7 +1309,8 @@ class DecoderLayer(nn.Module):
         elif self.block == "attention":
             self.self_attn = Attention(spec, layer)
         elif self.block == "moe":
-            self.mlp = SparseMoE(spec, lambda size: PlainMLP(spec.hidden_size, size, spec.mlp_bias))
+            self.mlp = SparseMoE(spec, lambda size: PlainMLP(spec.hidden_size, size),
+                                 lambda size: PlainMLP(spec.hidden_size, size, spec.mlp_bias))
         else:
             self.mlp = PlainMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
         self.post_attention_layernorm = self.attn_out_norm = self.mlp_out_norm = None

@@ -51,9 +51,11 @@ def _out_in(stacked: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
 
 
 class SparseMoE(nn.Module):
-    """One layer's experts and their router; ``expert(size)`` builds one expert's MLP."""
+    """One layer's experts and their router; ``expert(size)`` builds one expert's MLP, ``shared(size)``
+    the shared expert's where it differs (Nemotron-H's has ``mlp_bias``, its routed ones never)."""
 
-    def __init__(self, spec: ModelSpec, expert: Callable[[int], nn.Module]) -> None:
+    def __init__(self, spec: ModelSpec, expert: Callable[[int], nn.Module],
+                 shared: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         self.num_experts, self.top_k = spec.num_experts, spec.experts_per_token
         self.normalize = spec.normalize_routing
@@ -67,7 +69,7 @@ class SparseMoE(nn.Module):
         # DeepSeek-V3's e_score_correction_bias: added to the scores to choose experts only.
         self.choice_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False) if spec.routing_bias else None
         self.experts = nn.ModuleList(expert(spec.expert_size) for _ in range(spec.num_experts))
-        self.shared_expert = expert(spec.shared_expert_size) if spec.shared_expert_size else None
+        self.shared_expert = (shared or expert)(spec.shared_expert_size) if spec.shared_expert_size else None
         gated = spec.shared_expert_size and spec.shared_expert_gated
         self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if gated else None
 

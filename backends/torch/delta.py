@@ -132,19 +132,7 @@ class GatedDeltaNet(nn.Module):
         q, k = _normed_heads(q.view(n, s.key_heads, s.key_dim), s), _normed_heads(k.view(n, s.key_heads, s.key_dim), s)
         q = q * s.key_dim**-0.5
         v = v.reshape(n, s.value_heads, s.value_dim).float()
-        beta = beta.float()
-        out = torch.empty_like(v)
-        d, slots = meta.num_decode, meta.state_slots
-        if d:  # every decoding sequence's one token: its state updated in place
-            state = ssm.index_select(0, slots[:d])
-            out[:d], state = delta_rule_step(q[:d], k[:d], v[:d], g[:d], beta[:d], state)
-            ssm.index_copy_(0, slots[:d], state)
-        for j, span in enumerate(meta.prefills):
-            rows, slot = slice(span.start, span.end), slots[d + j : d + j + 1]
-            t = lambda x: x[rows].transpose(0, 1)  # noqa: E731 - [heads, tokens, ...]
-            chunk_out, state = delta_rule_chunked(t(q), t(k), t(v), t(g), t(beta), ssm.index_select(0, slot)[0])
-            out[rows] = chunk_out.transpose(0, 1)
-            ssm.index_copy_(0, slot, state[None])
+        out = rule_over_step(q, k, v, g, beta.float(), ssm, meta)
         out = self.norm(out.to(x.dtype), z.view(n, s.value_heads, s.value_dim))
         return self.out_proj(out.reshape(n, s.value_size))
 
@@ -192,6 +180,28 @@ def _normed_heads(x: torch.Tensor, shape: DeltaShape) -> torch.Tensor:
     x = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
     group = shape.value_heads // shape.key_heads
     return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+def rule_over_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
+                   ssm: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The rule over a step's rows (``q``, ``k [rows, heads, key_dim]``, ``v [rows, heads,
+    value_dim]``, ``g``, ``beta [rows, heads]``, float32; ``beta`` None: no correction), each
+    sequence from its state in ``ssm`` (by the step's slots), which moves on: every decoding
+    sequence's one token at once (:func:`delta_rule_step`), each prompt chunk in blocks
+    (:func:`delta_rule_chunked`). Returns the outputs ``[rows, heads, value_dim]``."""
+    out = torch.empty_like(v)
+    d, slots = meta.num_decode, meta.state_slots
+    if d:
+        out[:d], state = delta_rule_step(q[:d], k[:d], v[:d], g[:d], beta[:d] if beta is not None else None,
+                                         ssm.index_select(0, slots[:d]))
+        ssm.index_copy_(0, slots[:d], state)
+    for j, span in enumerate(meta.prefills):
+        rows, slot = slice(span.start, span.end), slots[d + j : d + j + 1]
+        t = lambda x: x[rows].transpose(0, 1) if x is not None else None  # noqa: E731 - [heads, tokens, ...]
+        chunk_out, state = delta_rule_chunked(t(q), t(k), t(v), t(g), t(beta), ssm.index_select(0, slot)[0])
+        out[rows] = chunk_out.transpose(0, 1)
+        ssm.index_copy_(0, slot, state[None])
+    return out
 
 
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,

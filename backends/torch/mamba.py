@@ -10,8 +10,8 @@ SiLU), each head's state ``h [state_size, head_dim]`` follows the selective stat
 with ``A = -exp(A_log)`` (and ``dt`` within ``time_step_limit`` in a prompt's tokens, not in
 a decoded one's, as the reference implementations do). That is the delta rule of :mod:`.delta` without its correction:
 decayed linear attention with ``C`` for queries, ``B`` for keys and ``dt x`` for values, which
-is how it runs here (:func:`.delta.delta_rule_step`, :func:`.delta.delta_rule_chunked` with no
-``beta``; transformers' chunked scan is the same sums). The output is gated by ``silu(z)``,
+is how it runs here (:func:`.delta.rule_over_step` with no ``beta``; transformers' chunked scan
+is the same sums). The output is gated by ``silu(z)``,
 normalised over each group of ``head_dim * heads / groups`` channels and projected back.
 
 The states live in :class:`.state.RecurrentState` as linear attention's do, with everything
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata
-from .delta import delta_rule_chunked, delta_rule_step
+from .delta import rule_over_step
 from .state import causal_conv
 
 
@@ -152,18 +152,7 @@ class Mamba2Mixer(nn.Module):
             dt[meta.num_decode :] = dt[meta.num_decode :].clamp(*s.dt_limit)
         dt = dt.float()
         g = dt * -self.A_log.float().exp()
-        v = u * dt[..., None]
-        out = torch.empty_like(u)
-        ssm, d, slots = meta.states.ssm[self.layer], meta.num_decode, meta.state_slots
-        if d:  # every decoding sequence's one token
-            out[:d], state = delta_rule_step(c[:d], b[:d], v[:d], g[:d], None, ssm.index_select(0, slots[:d]))
-            ssm.index_copy_(0, slots[:d], state)
-        for j, span in enumerate(meta.prefills):
-            rows, slot = slice(span.start, span.end), slots[d + j : d + j + 1]
-            t = lambda x: x[rows].transpose(0, 1)  # noqa: E731 - [heads, tokens, ...]
-            chunk_out, state = delta_rule_chunked(t(c), t(b), t(v), t(g), None, ssm.index_select(0, slot)[0])
-            out[rows] = chunk_out.transpose(0, 1)
-            ssm.index_copy_(0, slot, state[None])
+        out = rule_over_step(c, b, u * dt[..., None], g, None, meta.states.ssm[self.layer], meta)
         y = (out + u * self.D.float()[:, None]).view(n, s.inner) * F.silu(z.float())
         # Normalised over each group's channels in float32, scaled, as transformers' gated norm.
         grouped = y.view(n, s.groups, -1)

@@ -44,7 +44,8 @@ def test_float32_on_cuda_matches_transformers_on_the_cpu(tmp_path, arch, graphs)
 def test_models_without_decode_graphs_run_eagerly_on_cuda_and_match_transformers(tmp_path, arch):
     # Routing reads each expert's row count back to the host, which no graph can hold: with
     # cuda_graphs on, a MoE model's decode steps still run eagerly; LFM2's too (the static
-    # path builds no convolution windows), and those with per-sequence states (Qwen3-Next, Qwen3.5, Granite 4's hybrids).
+    # path builds no convolution windows), and those with per-sequence states (Qwen3-Next, Qwen3.5,
+    # Granite 4's hybrids, Nemotron-H).
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, device="cuda", dtype="float32", block_size=4, max_batched_tokens=16, max_num_seqs=16)
     try:

@@ -199,7 +199,8 @@ class ModelSpec:
     (``mrope_section``) turns every section by the same position on text, which is the plain
     rotary. Their outer configs say whether the embeddings are tied."""
     GEMMA = ("gemma", "gemma2", "gemma3_text")
-    ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu", "relu2": "relu2"}  # the config's name -> ours
+    # The config's name -> ours.
+    ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu", "relu2": "relu2"}
     OWN_ACTIVATIONS = {"xielu": "apertus", "relu2": "nemotron_h"}
     """Activations one model type has (its ungated MLPs'), and which."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -489,8 +490,9 @@ class ModelSpec:
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (
                 _full_layers(cfg, sliding_layers) if exaone and window else ()) or (
-                tuple(range(cfg.num_hidden_layers)) if (granite4 and getattr(cfg, "position_embedding_type", None) != "rope")
-                or model_type == "nemotron_h" else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()),
+                tuple(range(cfg.num_hidden_layers))
+                if (granite4 and getattr(cfg, "position_embedding_type", None) != "rope") or model_type == "nemotron_h"
+                else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()),
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
             **quantization,

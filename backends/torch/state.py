@@ -1,10 +1,11 @@
 """Per-sequence state for layers that keep one instead of keys and values per token.
 
-A Gated DeltaNet layer (:mod:`.delta`) or a Mamba2 layer (:mod:`.mamba`) carries each sequence's
-past as a fixed-size state: its convolution's last inputs and a matrix per head. Every running sequence holds one slot of
-:class:`RecurrentState` (``max_num_seqs`` slots, taken at admission, given back when it finishes,
-is cancelled or is preempted: a preempted sequence recomputes its state from its tokens, as its
-keys and values). The memory is set aside before the KV blocks are counted.
+A Gated DeltaNet layer (:mod:`.delta`) or a Mamba2 layer (:mod:`.mamba`) carries each
+sequence's past as a fixed-size state: its convolution's last inputs and a matrix per head.
+Every running sequence holds one slot of :class:`RecurrentState` (``max_num_seqs`` slots, taken
+at admission, given back when it finishes, is cancelled or is preempted: a preempted sequence
+recomputes its state from its tokens, as its keys and values). The memory is set aside before
+the KV blocks are counted.
 """
 
 from __future__ import annotations

@@ -61,10 +61,7 @@ class ShortConv(nn.Module):
         weights.copy(self.in_proj.weight, prefix + "in_proj.weight")
         weights.copy(self.out_proj.weight, prefix + "out_proj.weight")
         name = prefix + "conv.weight"
-        filters = weights.take(name)
-        if filters.shape != (self.hidden, 1, self.kernel):
-            raise weights.error(f"weight `{name}` has shape {tuple(filters.shape)}, expected {(self.hidden, 1, self.kernel)}")
-        weights.copy(self.taps, name, filters[:, 0].T)
+        weights.copy(self.taps, name, weights.filters(name, self.hidden, self.kernel).T)
         if self.conv_bias is not None:
             weights.copy(self.in_proj.bias, prefix + "in_proj.bias")
             weights.copy(self.out_proj.bias, prefix + "out_proj.bias")

@@ -72,17 +72,21 @@ class DeltaShape:
     @classmethod
     def of(cls, cfg: Any, error: Callable[[str], Exception]) -> "DeltaShape":
         """From a Qwen3-Next or Qwen3.5 config's ``linear_*`` keys."""
-        keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                "linear_conv_kernel_dim")
-        values = [getattr(cfg, key, None) for key in keys]
-        for key, value in zip(keys, values):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise error(f"{key} {value!r} must be a positive integer")
-        shape = cls(*values)
+        shape = cls(*positive_ints(cfg, error, "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                   "linear_value_head_dim", "linear_conv_kernel_dim"))
         if shape.value_heads % shape.key_heads:
             raise error(f"linear_num_value_heads {shape.value_heads} must be a multiple of linear_num_key_heads "
                         f"{shape.key_heads}")
         return shape
+
+
+def positive_ints(cfg: Any, error: Callable[[str], Exception], *keys: str) -> list[int]:
+    """The config's ``keys``, each refused unless a positive integer."""
+    values = [getattr(cfg, key, None) for key in keys]
+    for key, value in zip(keys, values):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise error(f"{key} {value!r} must be a positive integer")
+    return values
 
 
 class GatedRMSNorm(nn.Module):
@@ -154,15 +158,11 @@ class GatedDeltaNet(nn.Module):
             parts = [weights.take(prefix + f"in_proj_{name}.weight") for name in ("qkv", "z", "b", "a")]
         weights.copy(self.in_proj.weight, prefix + "in_proj.weight", torch.cat(parts))
         name = prefix + "conv1d.weight"
-        filters = weights.take(name)
-        if filters.shape != (s.conv_size, 1, s.kernel):
-            raise weights.error(f"weight `{name}` has shape {tuple(filters.shape)}, expected {(s.conv_size, 1, s.kernel)}")
-        weights.copy(self.taps, name, filters[:, 0])
+        weights.copy(self.taps, name, weights.filters(name, s.conv_size, s.kernel))
         weights.copy(self.dt_bias, prefix + "dt_bias")
         weights.copy(self.A_log, prefix + "A_log")
         weights.copy(self.norm.weight, prefix + "norm.weight")
         weights.copy(self.out_proj.weight, prefix + "out_proj.weight")
-
 
     @staticmethod
     def _rows(weights, name: str, rows: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata
-from .delta import rule_over_step
+from .delta import positive_ints, rule_over_step
 from .state import causal_conv
 
 
@@ -64,7 +64,7 @@ class MambaShape:
     def of(cls, cfg: Any, error: Callable[[str], Exception]) -> "MambaShape":
         """From a Granite 4 config's ``mamba_*`` keys (``mamba_d_head`` "auto": the inner width,
         ``mamba_expand * hidden_size``, over the heads)."""
-        heads, groups, state, kernel, expand = _positive(cfg, error, "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
+        heads, groups, state, kernel, expand = positive_ints(cfg, error, "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
                                                          "mamba_d_conv", "mamba_expand")
         head_dim = getattr(cfg, "mamba_d_head", "auto")
         if head_dim == "auto":
@@ -83,7 +83,7 @@ class MambaShape:
         steps within ``time_step_limit``, as NVIDIA's own Nemotron-H code holds them (its
         releases: none). transformers 5's port floors them at ``time_step_min`` instead (0.001
         in the releases; it differs where a prompt's time step is below that)."""
-        heads, head_dim, groups, state, kernel = _positive(cfg, error, "mamba_num_heads", "mamba_head_dim", "n_groups",
+        heads, head_dim, groups, state, kernel = positive_ints(cfg, error, "mamba_num_heads", "mamba_head_dim", "n_groups",
                                                            "ssm_state_size", "conv_kernel")
         return cls._grouped(error, "mamba_num_heads", "n_groups", heads, head_dim, groups, state, kernel,
                             bool(getattr(cfg, "use_conv_bias", True)), bool(getattr(cfg, "use_bias", False)),
@@ -106,15 +106,6 @@ def _time_step_limit(cfg: Any, error: Callable[[str], Exception]) -> tuple[float
     if len(limit) != 2 or not 0 <= limit[0] <= limit[1]:
         raise error(f"time_step_limit {limit!r} must be two numbers, 0 <= low <= high")
     return limit
-
-
-def _positive(cfg: Any, error: Callable[[str], Exception], *keys: str) -> list[int]:
-    """The config's ``keys``, each refused unless a positive integer."""
-    values = [getattr(cfg, key, None) for key in keys]
-    for key, value in zip(keys, values):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise error(f"{key} {value!r} must be a positive integer")
-    return values
 
 
 class Mamba2Mixer(nn.Module):
@@ -164,10 +155,7 @@ class Mamba2Mixer(nn.Module):
         s = self.shape
         weights.copy(self.in_proj.weight, prefix + "in_proj.weight")
         name = prefix + "conv1d.weight"
-        filters = weights.take(name)
-        if filters.shape != (s.conv_size, 1, s.kernel):
-            raise weights.error(f"weight `{name}` has shape {tuple(filters.shape)}, expected {(s.conv_size, 1, s.kernel)}")
-        weights.copy(self.taps, name, filters[:, 0])
+        weights.copy(self.taps, name, weights.filters(name, s.conv_size, s.kernel))
         if s.conv_bias:
             weights.copy(self.conv_bias, prefix + "conv1d.bias")
         if s.proj_bias:

@@ -41,6 +41,14 @@ class WeightReader:
                 return self._fp8_decoded(key, value) if value.dtype in FP8_DTYPES else value
         raise self.error(f"checkpoint has no weight `{name}`")
 
+    def filters(self, name: str, channels: int, kernel: int) -> torch.Tensor:
+        """A depthwise convolution's filters ``name`` (a checkpoint's Conv1d weight, ``[channels, 1,
+        kernel]``) as ``[channels, kernel]``, refused in any other shape."""
+        value = self.take(name)
+        if value.shape != (channels, 1, kernel):
+            raise self.error(f"weight `{name}` has shape {tuple(value.shape)}, expected {(channels, 1, kernel)}")
+        return value[:, 0]
+
     def _fp8_decoded(self, key: str, value: torch.Tensor) -> torch.Tensor:
         """An FP8 weight times its ``weight_scale_inv``, as float32."""
         if self.fp8 is False:

@@ -2,8 +2,8 @@
 state in a slot of its own (:mod:`backends.torch.delta`, :mod:`backends.torch.state`). Greedy
 output and prompt logprobs against transformers (Granite 4's Mamba2 hybrids too, whose own
 tests are in test_torch_mamba.py), the chunked rule against the token-by-token one, what the
-engine does with states (slots reused, preemption, cancelling, no prefix cache, memory), the
-spec and what is refused."""
+engine does with states (slots reused, preemption, cancelling, the prefix cache's kept states,
+memory), the spec and what is refused."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ import torch
 
 from backends.torch.delta import DeltaShape, delta_rule_chunked, delta_rule_step
 from backends.torch.graphs import DecodeGraphs
+from backends.torch.kv_cache import BlockPool
 from backends.torch.model import ModelError, ModelSpec
-from backends.torch.state import RecurrentState, StateSlots
+from backends.torch.scheduler import Scheduler
+from backends.torch.sequence import Sequence
+from backends.torch.state import RecurrentState, StateCache, StateSlots
+from router.engine import EngineRequest, SamplingParams
 from test_torch_engine import (
-    assert_greedy_matches_transformers, assert_preemption_and_cancelling, engine_for, generate, random_prompts, run,
-    small_steps_engine,
+    assert_greedy_matches_transformers, assert_preemption_and_cancelling, assert_prefix_hits_match_no_cache,
+    engine_for, generate, random_prompts, run, small_steps_engine,
 )
 from test_torch_gemma import assert_prompt_logprobs_match_transformers, packed_torch_path_distance
 from torch_models import assert_built_with_config_refused, hf_greedy, tiny_checkpoint, write_lora
@@ -121,30 +125,59 @@ def test_a_step_of_several_sequences_is_each_alone():
         torch.testing.assert_close(new[i : i + 1], alone)
 
 
-def test_states_are_slots_of_the_running_sequences_and_no_prefix_cache(next_folder):
+def test_states_are_slots_of_the_running_sequences_then_of_the_kept_ones(next_folder):
     """Linear layers keep nothing a token: the KV blocks count the attention layer's keys and
-    values alone, and the states of max_num_seqs sequences are set aside first. Two prompts
-    sharing 32 tokens: nothing reported cached (a block's tokens do not give the state before
-    them), the outputs those of the model."""
+    values alone, and the states of max_num_seqs sequences are set aside first, then twice as
+    many for the prefix cache's kept states. Two prompts sharing 32 tokens: the second starts from the
+    state kept after them, the outputs those of the model."""
     engine = small_steps_engine(next_folder, max_num_seqs=3)
     try:
         kv = engine.kv
         assert [tuple(k.shape[1:]) for k in kv.k] == [(0, 0), (0, 0), (2, 16), (0, 0)]
         assert engine._block_bytes == 4 * (2 * 2 * 16) * 4  # blocks of 4, float32
-        # 3 layers x 3 slots x (80 channels x 3 inputs + 4 heads x 8 x 12 float32)
-        assert engine._state_bytes == 3 * 3 * (80 * 3 * 4 + 4 * 8 * 12 * 4)
+        # 3 layers x (3 + 6) slots x (80 channels x 3 inputs + 4 heads x 8 x 12 float32)
+        assert engine._state_bytes == 3 * 9 * (80 * 3 * 4 + 4 * 8 * 12 * 4)
         assert engine.pool.num_blocks == (int(0.05 * 2**30) - engine._state_bytes) // engine._block_bytes
-        assert engine.states.ssm[2] is None and tuple(engine.states.ssm[0].shape) == (3, 4, 8, 12)
-        assert engine.runner.graphs is None and engine.proposer is None and not engine.pool.prefix_caching
+        assert engine.states.ssm[2] is None and tuple(engine.states.ssm[0].shape) == (9, 4, 8, 12)
+        assert engine.state_cache.count == 6 and engine.pool.prefix_caching
+        assert engine.runner.graphs is None and engine.proposer is None
         assert "lora_adapters" not in engine.capabilities and engine.stats()["state_bytes"] == engine._state_bytes
         with pytest.raises(ValueError, match="decode graphs do not run models with linear-attention layers"):
             DecodeGraphs(engine.model, kv, max_batch=2, max_blocks=4, scratch_block=0, capture=False)
         shared = random_prompts(5, (32,))[0]
         prompts = [shared + [11, 12, 13], shared + [14, 15]]
         results = [run(generate(engine, p, 10)) for p in prompts]
-        assert [cached for _, cached in results] == [0, 0]
+        assert [cached for _, cached in results] == [0, 32]
         assert [out for out, _ in results] == [hf_greedy(next_folder, p, 10) for p in prompts]
         assert engine.scheduler.state_slots.num_free == 3
+    finally:
+        run(engine.stop())
+
+
+def test_prefix_hits_start_from_the_kept_state(delta):
+    """Every model with states: a prompt sharing 32 tokens with an earlier one reports them cached
+    and gives the tokens of an engine without the prefix cache (which recomputes them)."""
+    assert_prefix_hits_match_no_cache(delta)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_a_prompt_computed_in_one_step_keeps_its_state_before_its_last_token(arch, tmp_path):
+    """A 35-token prompt in a 64-token step is cut at 32 (the block boundary before its last token)
+    and its last 3 tokens computed in the next step: the same prompt again starts from the state
+    kept at 32. Then the next turn, the prompt and its output and more: it starts from the state
+    its output left at 52, the latest block boundary it reached (a sequence keeps only its latest
+    past its prompt). Every output transformers'."""
+    folder = tiny_checkpoint(tmp_path / arch, arch)
+    engine = engine_for(folder, block_size=4, max_batched_tokens=64, max_num_seqs=4)
+    try:
+        prompt = random_prompts(12, (35,))[0]
+        first, cached = run(generate(engine, prompt, 20))
+        assert cached == 0 and len(engine.state_cache) == 2  # at 32, and at 52 after the 20 tokens
+        again, cached = run(generate(engine, prompt, 20))
+        assert cached == 32 and again == first == hf_greedy(folder, prompt, 20)
+        turn = prompt + first + [21, 22, 23]
+        out, cached = run(generate(engine, turn, 8))
+        assert cached == 52 and out == hf_greedy(folder, turn, 8)
     finally:
         run(engine.stop())
 
@@ -170,11 +203,15 @@ def test_more_requests_than_slots_reuse_them_from_a_clean_state(next_folder):
 def test_preemption_and_cancelling_under_a_tiny_budget(arch, tmp_path):
     """12 blocks of 4 tokens for 5 sequences growing to 5 to 11 blocks: preempted sequences
     give their slots back, recompute their states from their tokens, and still give their full
-    outputs; every block and slot is free after, and after 30 requests cancelled mid-generation."""
+    outputs; every block and slot is free after, and after 30 requests cancelled mid-generation
+    (the roomy engine keeping states at block boundaries, the tight one without room for any)."""
     folder = tiny_checkpoint(tmp_path / arch, arch)
     roomy = small_steps_engine(folder)
-    tight = small_steps_engine(folder, kv_cache_gb=(roomy._state_bytes + 12 * roomy._block_bytes) / 2**30)
+    # 64 running states and 12 blocks: a quarter of what the states leave holds no state to keep.
+    per_sequence = RecurrentState.bytes_for(roomy.model.spec, 1, torch.float32)
+    tight = small_steps_engine(folder, kv_cache_gb=(64 * per_sequence + 12 * roomy._block_bytes) / 2**30)
     try:
+        assert tight.state_cache is None and not tight.pool.prefix_caching and roomy.state_cache.count == 128
         assert_preemption_and_cancelling(
             roomy, tight, lambda engine: engine.pool.num_used == 0 and engine.scheduler.state_slots.num_free == 64)
     finally:
@@ -182,22 +219,54 @@ def test_preemption_and_cancelling_under_a_tiny_budget(arch, tmp_path):
         run(roomy.stop())
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "granite4-hybrid"])
+def test_preempted_sequences_start_again_from_their_kept_states(arch, tmp_path):
+    """Four sequences of 20 to 35 prompt tokens and 50 output tokens through 4 slots, 8 kept
+    states and 50 blocks of 4 (short of the ~75 they grow to): preempted ones start again from
+    the states they kept (hits counted; the prompts share nothing), and every output is
+    transformers'."""
+    folder = tiny_checkpoint(tmp_path / arch, arch)
+    engine = small_steps_engine(folder, max_num_seqs=4)
+    # A tiny model's states are large beside its blocks: a budget of 50 blocks would keep no
+    # state (a quarter of what the running states leave). The pool alone is made that small.
+    engine.pool = engine.scheduler.pool = BlockPool(50, 4)
+    prompts = random_prompts(13, (30, 25, 35, 20))
+
+    async def all_at_once():
+        return await asyncio.gather(*(generate(engine, p, 50) for p in prompts))
+
+    try:
+        assert engine.state_cache.count == 8
+        got = [out for out, _ in run(all_at_once())]
+        assert engine.scheduler.preemptions > 0 and engine.stats()["cached_state_hits"] > 0
+    finally:
+        run(engine.stop())
+    assert got == [hf_greedy(folder, p, 50) for p in prompts]
+
+
 def test_states_that_would_take_the_whole_budget_lower_max_num_seqs(next_folder):
     """64 sequences' states in a budget that holds 40 of them: max_num_seqs becomes 20 (half the
     budget), and the states and the scheduler's slots are sized so; a budget that holds less
-    than two sequences' states is refused."""
+    than two sequences' states is refused, and one that holds two has no prefix cache."""
     per_sequence = RecurrentState.bytes_for(ModelSpec.from_hf_config(SimpleNamespace(**_config())), 1, torch.float32)
     engine = small_steps_engine(next_folder, kv_cache_gb=40 * per_sequence / 2**30)
     try:
         assert engine.options.max_num_seqs == engine.scheduler.max_num_seqs == 20
-        assert engine.states.ssm[0].shape[0] == 20 and engine.scheduler.state_slots.num_free == 20
-        assert engine._state_bytes == 20 * per_sequence
+        # the prefix cache's kept states: a quarter of the 20 sequences' states left, 5
+        assert engine.states.ssm[0].shape[0] == 25 and engine.scheduler.state_slots.num_free == 20
+        assert engine.state_cache.count == 5 and engine._state_bytes == 25 * per_sequence
         prompts = random_prompts(2, (9, 14))
         assert [run(generate(engine, p, 6))[0] for p in prompts] == [hf_greedy(next_folder, p, 6) for p in prompts]
     finally:
         run(engine.stop())
     with pytest.raises(ValueError, match="a sequence's linear-attention states take .* more than half the KV budget"):
         engine_for(next_folder, kv_cache_gb=1.5 * per_sequence / 2**30)
+    engine = engine_for(next_folder, kv_cache_gb=2.5 * per_sequence / 2**30)
+    try:
+        assert engine.options.max_num_seqs == 1 and engine.state_cache is None and not engine.pool.prefix_caching
+        assert engine.states.ssm[0].shape[0] == 1
+    finally:
+        run(engine.stop())
 
 
 def test_state_slots_are_handed_out_once_each():
@@ -305,10 +374,10 @@ def test_weights_of_other_shapes_than_the_config_are_refused(next_folder, tmp_pa
 
 
 def test_over_http_with_the_openai_sdk(next_folder, tmp_path):
-    """A Qwen3-Next model served by the router: two greedy choices of one prompt (n = 2, each
-    computing the prompt: no prefix cache to share it) equal to transformers' tokens, usage
-    adding up with nothing cached, a stream of one chunk a token whose final usage agrees, and
-    no runtime LoRA loading offered for it."""
+    """A Qwen3-Next model served by the router: two greedy choices of one prompt (n = 2) equal to
+    transformers' tokens, usage adding up with nothing cached, the same prompt again with its
+    first 16 tokens cached (the state kept there), a stream of one chunk a token whose final
+    usage agrees, and no runtime LoRA loading offered for it."""
     import httpx
     import openai
 
@@ -339,7 +408,7 @@ max_batched_tokens = 16
         assert not (both.usage.prompt_tokens_details and both.usage.prompt_tokens_details.cached_tokens)
         ids = client.completions.create(model="next", prompt=prompt, max_tokens=8, temperature=0,
                                         extra_body={"ignore_eos": True, "return_token_ids": True})
-        assert ids.choices[0].token_ids == expected
+        assert ids.choices[0].token_ids == expected and ids.usage.prompt_tokens_details.cached_tokens == 16
         chunks = list(client.completions.create(model="next", prompt=prompt, max_tokens=8, temperature=0, stream=True,
                                                 stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True}))
@@ -350,3 +419,81 @@ max_batched_tokens = 16
         assert refused.status_code == 400 and "take LoRA adapters" in refused.text
     finally:
         router.stop()
+
+
+def _kept_states(count=3):
+    spec = ModelSpec.from_hf_config(SimpleNamespace(**_config()))
+    states = RecurrentState.for_model(spec, 2 + count, torch.float32, torch.device("cpu"))
+    for slot in range(2):  # the running slots: states 1 and 2
+        states.ssm[0][slot] = slot + 1.0
+        states.conv[0][slot] = slot + 1.0
+    return states, StateCache(states, 2, count, torch.device("cpu"))
+
+
+def test_kept_states_are_copies_found_by_block_hash():
+    states, cache = _kept_states()
+    cache.save([(0, 100, None), (1, 101, None)])
+    assert len(cache) == 2 and cache.lookup(102) is None
+    at = cache.lookup(101)
+    assert at >= 2 and float(states.ssm[0][at].mean()) == 2.0 and float(states.conv[0][at].mean()) == 2.0
+    states.ssm[0][1] = 7.0  # the sequence moves on; its kept copy does not
+    assert float(states.ssm[0][at].mean()) == 2.0
+    cache.restore([(cache.lookup(100), 1)])
+    assert float(states.ssm[0][1].mean()) == 1.0 and float(states.conv[0][1].mean()) == 1.0
+    assert float(states.ssm[0][0].mean()) == 1.0  # the other running slot untouched
+
+
+def test_the_least_recently_used_kept_state_gives_way():
+    states, cache = _kept_states(count=2)
+    cache.save([(0, 100, None), (1, 101, None)])
+    cache.lookup(100)  # used: 101 is now the oldest
+    cache.save([(1, 102, None)])
+    assert cache.lookup(101) is None and cache.lookup(100) is not None and len(cache) == 2
+    assert float(states.ssm[0][cache.lookup(102)].mean()) == 2.0
+    # More saves in one call than slots: the last ones stay, each in its own slot.
+    cache.save([(0, 200, None), (1, 201, None), (0, 202, None)])
+    assert cache.lookup(200) is None and len(cache) == 2
+    assert [float(states.ssm[0][cache.lookup(h)].mean()) for h in (201, 202)] == [2.0, 1.0]
+
+
+def test_a_generating_sequence_keeps_only_its_latest_state():
+    states, cache = _kept_states(count=4)
+    cache.save([(0, 100, None)])  # the prompt's
+    cache.save([(1, 110, None)])
+    cache.save([(1, 111, 110)])  # its next boundary replaces its previous one, in that slot
+    assert cache.lookup(110) is None and cache.lookup(111) is not None and len(cache) == 2
+    cache.save([(0, 120, None), (0, 121, None)])  # now full; another sequence's state is kept already,
+    cache.save([(1, 121, 111)])  # marked used, and its previous copy is gone
+    assert cache.lookup(111) is None and len(cache) == 3 and cache.lookup(100) is not None
+
+
+def _sequence(prompt_length, computed=0):
+    req = EngineRequest("t", list(range(3, 3 + prompt_length)), SamplingParams(temperature=0.0), 4)
+    seq = Sequence(req, lambda item: None, block_size=4)
+    seq.num_computed = computed
+    return seq
+
+
+@pytest.mark.parametrize("length, computed, budget, expected", [
+    (35, 0, 64, 32),  # the whole prompt fits: cut before its last token's block boundary
+    (35, 32, 64, 3),  # its rest
+    (35, 0, 18, 16),  # a chunk inside the prompt: cut at the last boundary it reaches
+    (35, 16, 18, 16),
+    (35, 30, 18, 2),  # up to the boundary before the last token
+    (35, 33, 64, 2),  # no boundary left inside: unchanged
+    (32, 0, 64, 28),  # 32 tokens: the boundary before the last one is 28
+    (35, 34, 64, 1),  # a decode row
+    (35, 0, 3, 3),  # no boundary reached: unchanged
+    (5, 0, 64, 4),
+    (3, 0, 64, 3),
+])
+def test_prompt_chunks_end_on_block_boundaries_where_states_are_kept(length, computed, budget, expected):
+    pool = BlockPool(64, 4)
+    kept = Scheduler(pool, max_num_seqs=4, max_batched_tokens=64, state_slots=StateSlots(4),
+                     state_cache=_kept_states()[1])
+    plain = Scheduler(pool, max_num_seqs=4, max_batched_tokens=64, state_slots=StateSlots(4))
+    for scheduler in (kept, plain):
+        scheduler._scoring = 256
+    seq = _sequence(length, computed)
+    assert kept._chunk(seq, budget) == expected
+    assert plain._chunk(seq, budget) == min(budget, length - computed)

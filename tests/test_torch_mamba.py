@@ -42,9 +42,9 @@ def test_the_states_and_the_cache(dense):
     engine = small_steps_engine(dense, max_num_seqs=3)
     try:
         assert [tuple(k.shape[1:]) for k in engine.kv.k] == [(0, 0), (2, 16), (0, 0), (0, 0)]
-        assert tuple(engine.states.conv[0].shape) == (3, 192, 3) and tuple(engine.states.ssm[3].shape) == (3, 4, 16, 32)
-        assert engine._state_bytes == 3 * 3 * (192 * 3 * 4 + 4 * 16 * 32 * 4)
-        assert engine.runner.graphs is None and not engine.pool.prefix_caching
+        assert tuple(engine.states.conv[0].shape) == (9, 192, 3) and tuple(engine.states.ssm[3].shape) == (9, 4, 16, 32)
+        assert engine._state_bytes == 3 * 9 * (192 * 3 * 4 + 4 * 16 * 32 * 4)  # 3 running, 6 kept (prefix cache)
+        assert engine.runner.graphs is None and engine.pool.prefix_caching and engine.state_cache.count == 6
         prompts = random_prompts(6, (9, 30, 5, 17))
         assert [run(generate(engine, p, 8))[0] for p in prompts] == [hf_greedy(dense, p, 8) for p in prompts]
     finally:

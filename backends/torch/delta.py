@@ -18,8 +18,9 @@ Both states live in :class:`.state.RecurrentState`, one slot per running sequenc
 step updates every decoding sequence's state at once; a prompt chunk runs the chunked form of
 the rule (:func:`delta_rule_chunked`), which turns each block of 64 tokens into a few matrix
 products, from the state where the sequence's previous chunk left it. Because a state holds a
-sequence's whole past, not one token's, the paged cache's other tricks do not apply to these
-models: no prefix cache (a block's tokens say nothing about the state before them), no draft
+sequence's whole past, not one token's, the paged cache's other tricks apply differently or
+not at all to these models: the prefix cache keeps states at block boundaries besides the blocks
+(a block's tokens say nothing about the state before them; :class:`.state.StateCache`), no draft
 tokens (a rejected one would have updated the state), no CUDA graphs.
 """
 

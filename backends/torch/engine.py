@@ -39,7 +39,7 @@ from .sampler import BatchSampler
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .speculative import PREDICTION_ONLY, NgramOptions, NgramProposer
-from .state import RecurrentState, StateSlots
+from .state import RecurrentState, StateCache, StateSlots
 
 log = logging.getLogger("router.torch")
 
@@ -138,10 +138,12 @@ class TorchEngine:
             # The static decode path builds no convolution windows (conv.conv_windows).
             log.info("torch engine: short convolutions (LFM2); decode steps run eagerly (no CUDA graphs)")
             options.decode_graphs = "off"
-        state_bytes = 0
+        state_bytes = cached_states = 0
         if spec.recurrent:
             self._recurrent_options(options)
             state_bytes = self._state_slots(spec, options)
+            cached_states = self._cached_states(spec, options, state_bytes)
+            state_bytes += cached_states * RecurrentState.bytes_for(spec, 1, options.dtype)
             self.capabilities -= {"lora_adapters"}
         kv_dtype = options.kv_dtype or options.dtype
         per_block = KVCache.bytes_per_block(spec, options.block_size, kv_dtype)
@@ -168,9 +170,12 @@ class TorchEngine:
         release_freed_memory()
         self.kv = KVCache.for_model(spec, num_blocks, options.block_size, kv_dtype, options.device)
         self.pool = BlockPool(pool_blocks, options.block_size, prefix_caching=options.prefix_caching)
-        self.states = None
-        if spec.recurrent:
-            self.states = RecurrentState.for_model(spec, options.max_num_seqs, options.dtype, options.device)
+        self.states = self.state_cache = None
+        if spec.recurrent:  # the running sequences' slots, then the cached states'
+            self.states = RecurrentState.for_model(spec, options.max_num_seqs + cached_states, options.dtype,
+                                                   options.device)
+            if cached_states:
+                self.state_cache = StateCache(self.states, options.max_num_seqs, cached_states, options.device)
         self._state_bytes = state_bytes
         # Without speculative_config the proposer drafts only from requests' predictions, and
         # not at all where decode steps replay CUDA graphs: a step with a draft runs eagerly,
@@ -197,6 +202,7 @@ class TorchEngine:
             eos_ids=self.tokenizer.eos_token_ids,
             draft_model=self.draft,
             state_slots=StateSlots(options.max_num_seqs) if spec.recurrent else None,
+            state_cache=self.state_cache,
         )
         sampler = BatchSampler(self.tokenizer.vocab_size, options.device, seed=options.seed)
         decoder = None
@@ -231,6 +237,7 @@ class TorchEngine:
         self.runner = ModelRunner(
             self.model, self.kv, sampler, options.device, self.tokenizer.eos_token_ids,
             decoder=decoder, graphs=decode_graphs, adapters=self.adapters, states=self.states,
+            state_cache=self.state_cache,
         )
 
     @staticmethod
@@ -256,16 +263,29 @@ class TorchEngine:
         return per_sequence * options.max_num_seqs
 
     @staticmethod
+    def _cached_states(spec: ModelSpec, options: EngineOptions, running_bytes: int) -> int:
+        """How many states the prefix cache keeps at block boundaries (state.StateCache): two for
+        each of ``max_num_seqs`` sequences (each generating sequence keeps its latest, the
+        others are prompts'), within a quarter of the KV budget the running sequences' states
+        leave. None fitting, the prefix cache is off."""
+        if not options.prefix_caching:
+            return 0
+        per_sequence = RecurrentState.bytes_for(spec, 1, options.dtype)
+        count = min(2 * options.max_num_seqs, (options.kv_cache_bytes - running_bytes) // 4 // per_sequence)
+        if count < 1:
+            log.info("torch engine: no room in a quarter of the KV budget for one sequence's linear-attention "
+                     "states; no prefix cache")
+            options.prefix_caching = False
+        return max(count, 0)
+
+    @staticmethod
     def _recurrent_options(options: EngineOptions) -> None:
-        """What a model with per-sequence states (linear attention) runs without: the prefix
-        cache (a block's tokens say nothing of the state before them), CUDA graphs, and draft
-        tokens (a rejected one would have moved the state on); speculative decoding is refused."""
+        """What a model with per-sequence states (linear attention) runs without: CUDA graphs and
+        draft tokens (a rejected one would have moved the state on); speculative decoding is
+        refused."""
         if options.speculative is not None or options.draft_model is not None:
             raise ValueError("speculative_config: speculative decoding is not supported for a model with "
                              "linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's hybrids, Nemotron-H)")
-        if options.prefix_caching:
-            log.info("torch engine: linear-attention layers keep a state per sequence; no prefix cache")
-            options.prefix_caching = False
         if options.decode_graphs != "off":
             log.info("torch engine: linear-attention layers; decode steps run eagerly (no CUDA graphs)")
             options.decode_graphs = "off"
@@ -312,6 +332,8 @@ class TorchEngine:
         }
         if self.states is not None:  # linear attention's per-sequence states, out of the same budget
             out["state_bytes"] = self._state_bytes
+            if self.state_cache is not None:  # the prefix cache's states, and how many sequences started from one
+                out |= {"cached_states": len(self.state_cache), "cached_state_hits": self.state_cache.restored}
         if self.proposer is not None and (self.proposer.lookup or self.draft is not None or self.proposer.drafts):
             # configured, or predictions seen
             out |= {

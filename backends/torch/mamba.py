@@ -15,7 +15,8 @@ is the same sums). The output is gated by ``silu(z)``,
 normalised over each group of ``head_dim * heads / groups`` channels and projected back.
 
 The states live in :class:`.state.RecurrentState` as linear attention's do, with everything
-that follows from that (no prefix cache, drafts or CUDA graphs).
+that follows from that (the prefix cache keeping states at block boundaries, no drafts or
+CUDA graphs).
 """
 
 from __future__ import annotations

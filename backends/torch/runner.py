@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .cpu_decode import CpuDecoder
     from .graphs import DecodeGraphs
     from .lora import Adapters
-    from .state import RecurrentState
+    from .state import RecurrentState, StateCache
 
 
 @dataclass(slots=True)
@@ -49,9 +49,11 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         adapters: Adapters | None = None,
         states: RecurrentState | None = None,
+        state_cache: StateCache | None = None,
     ) -> None:
         self.model = model
         self.states = states  # linear attention's per-sequence states (state.py); None: no such layers
+        self.state_cache = state_cache  # their copies at block boundaries (the prefix cache's); None: none kept
         self.decoder = decoder  # the packed formats' one C call for steps that decode or compute short prompts
         self.graphs = graphs  # decode-only steps on static buffers (CUDA graphs)
         self.adapters = adapters  # LoRA: which rows of a step use which adapter (lora.py)
@@ -96,6 +98,11 @@ class ModelRunner:
             fresh = [w.seq.state_slot for w in step.work if w.seq.num_computed == 0]
             if fresh:
                 self.states.reset(as_tensor(fresh))
+            restored = [(w.seq.restore_from, w.seq.state_slot) for w in step.work if w.seq.restore_from is not None]
+            if restored:  # prefix hits: the state after the cached blocks
+                self.state_cache.restore(restored)
+                for w in step.work:
+                    w.seq.restore_from = None
         row = len(decode)
         for w in step.work[len(decode) :]:
             context = w.seq.num_computed + w.num_new
@@ -128,6 +135,8 @@ class ModelRunner:
         sampling = [w for w in step.work if w.samples]
         for w in step.work:
             w.seq.num_computed += w.num_new
+        if self.state_cache is not None:
+            self._save_states(step)
         if not sampling:
             return []
         rows = [row for w in sampling for row in self._rows(w)]
@@ -152,6 +161,21 @@ class ModelRunner:
             out.append(Sampled(w, tokens[at : at + kept], logprobs[at : at + kept]))
             at += n
         return out
+
+    def _save_states(self, step: Step) -> None:
+        """Keep the states of the sequences whose computed tokens now end a block (state.StateCache):
+        past the prompt, each sequence's latest copy replaces its previous one."""
+        bs, saves = self.kv.block_size, []
+        for w in step.work:
+            seq = w.seq
+            if seq.num_computed % bs:
+                continue
+            block_hash = seq.block_hash(seq.num_computed // bs - 1)
+            replaced = None
+            if seq.num_computed > seq.num_prompt:
+                replaced, seq.output_state = seq.output_state, block_hash
+            saves.append((seq.state_slot, block_hash, replaced))
+        self.state_cache.save(saves)
 
     def _score_prompts(self, step: Step, rows: StepRows, logits: torch.Tensor) -> None:
         """Prompt logprobs: the logits of position p give prompt token p + 1's entry."""

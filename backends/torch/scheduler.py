@@ -21,7 +21,7 @@ from .speculative import NgramProposer, token_array
 
 if TYPE_CHECKING:
     from .draft import DraftModel
-    from .state import StateSlots
+    from .state import StateCache, StateSlots
 
 log = logging.getLogger("router.torch")
 
@@ -120,10 +120,13 @@ class Scheduler:
         eos_ids: frozenset[int] = frozenset(),
         draft_model: DraftModel | None = None,
         state_slots: StateSlots | None = None,
+        state_cache: StateCache | None = None,
     ) -> None:
         self.pool = pool
-        # Linear attention (state.py): a state slot for every running sequence, max_num_seqs of them.
+        # Linear attention (state.py): a state slot for every running sequence, max_num_seqs of them,
+        # and the states kept at block boundaries (the prefix cache's other half; None: none kept).
         self.state_slots = state_slots
+        self.state_cache = state_cache
         self.proposer = proposer  # speculative decoding: drafts for decoding sequences
         self.draft_model = draft_model  # guesses where the proposer has none (draft.py)
         self.eos_ids = eos_ids  # drafts stop before an end token (see _draft)
@@ -314,7 +317,19 @@ class Scheduler:
         scoring = seq.scoring(num_new)
         if len(scoring) > self._scoring:
             num_new = scoring.start - seq.num_computed + self._scoring
+        if self.state_cache is not None:
+            num_new = self._to_boundary(seq, num_new)
         return num_new
+
+    def _to_boundary(self, seq: Sequence, num_new: int) -> int:
+        """A prompt chunk cut to end on a block boundary, where its state is kept (state.StateCache):
+        a chunk within the prompt at the last boundary it reaches, the prompt's last chunk at the
+        boundary before its last token (the deepest a later identical prompt can start from),
+        its rest computed in the next step. Unchanged where no boundary lies inside the chunk."""
+        bs, start, total = self.pool.block_size, seq.num_computed, len(seq.tokens)
+        end = start + num_new
+        boundary = (total - 1) // bs * bs if end == total else end // bs * bs
+        return boundary - start if boundary > start else num_new
 
     def _capacity(self, seq: Sequence) -> int:
         """How many more tokens the sequence could hold with its blocks plus all free ones."""
@@ -337,7 +352,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, step: Step) -> bool:
         first = seq.cached_tokens is None
-        hits = seq.take_prefix_hits(self.pool)
+        hits = seq.take_prefix_hits(self.pool, self.state_cache)
         wanted = self._chunk(seq, budget)
         num_new = min(wanted, self._capacity(seq))
         # With others running, only admit what fits whole: a squeezed-in chunk would just be

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from router.engine import EngineRequest, TokenLogprobs
 
 from .kv_cache import BlockPool, chain_hash
+
+if TYPE_CHECKING:
+    from .state import StateCache
 
 _ids = itertools.count()
 
@@ -40,6 +43,8 @@ class Sequence:
         self.num_prompt = len(self.tokens)
         self.num_computed = 0  # tokens whose keys and values are in the cache
         self.state_slot: int | None = None  # linear attention's state (state.py), while running
+        self.restore_from: int | None = None  # a cached state to start from (state.StateCache), until copied
+        self.output_state: int | None = None  # the block hash of its latest state kept past the prompt
         self.block_table: list[int] = []
         self._hashes: list[int] = []  # chain hash of each full block of `tokens`
         self.adapter = adapter  # the LoRA adapter's index (lora.Adapters); 0: the base model
@@ -99,26 +104,30 @@ class Sequence:
 
     # --- block bookkeeping ----------------------------------------------------------------
 
-    def take_prefix_hits(self, pool: BlockPool) -> int:
+    def take_prefix_hits(self, pool: BlockPool, states: StateCache | None = None) -> int:
         """Share cached blocks for the longest cached prefix; return how many tokens they hold.
 
         At least one token is left to compute, so there are logits to sample from; and no
-        position whose logits still score the prompt (prompt logprobs) is skipped.
+        position whose logits still score the prompt (prompt logprobs) is skipped. With
+        per-sequence states (``states``), the prefix ends where a cached state does too: the
+        sequence starts from that state (:attr:`restore_from`).
         """
         bs = self.block_size
         limit = (len(self.tokens) - 1) // bs
         if self.prompt_logprobs is not None:
             limit = min(limit, len(self.prompt_logprobs) // bs)
-        hits = 0
-        while hits < limit:
-            block = pool.lookup(self.block_hash(hits))
-            if block is None:
-                break
+        found: list[int] = []
+        while len(found) < limit and (block := pool.lookup(self.block_hash(len(found)))) is not None:
+            found.append(block)
+        if states is not None:
+            while found and (restore := states.lookup(self.block_hash(len(found) - 1))) is None:
+                found.pop()
+            self.restore_from = restore if found else None
+        for block in found:
             pool.share(block)
-            self.block_table.append(block)
-            hits += 1
-        self._registered = hits
-        self.num_computed = hits * bs
+        self.block_table.extend(found)
+        self._registered = len(found)
+        self.num_computed = len(found) * bs
         return self.num_computed
 
     def blocks_needed(self, num_new: int) -> int:
@@ -151,5 +160,6 @@ class Sequence:
             pool.release(block)
         self.block_table = []
         self.num_computed = 0
+        self.restore_from = None
         self._registered = 0
         self.draft_valid, self.draft_tail = 0, []

@@ -6,11 +6,17 @@ Every running sequence holds one slot of :class:`RecurrentState` (``max_num_seqs
 at admission, given back when it finishes, is cancelled or is preempted: a preempted sequence
 recomputes its state from its tokens, as its keys and values). The memory is set aside before
 the KV blocks are counted.
+
+A block's tokens say nothing about the state before them, so the prefix cache needs the states
+themselves: :class:`StateCache` keeps copies of states where a sequence's computed tokens end a
+block (in slots after the running ones), by that block's chain hash. A later sequence with the
+same prefix starts from the copy at the deepest such boundary whose blocks are still cached.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,11 +79,85 @@ class RecurrentState:
         per_layer = s.conv_size * (s.kernel - 1) * size + math.prod(s.state_shape) * 4
         return slots * len(spec.linear_layers) * per_layer
 
+    def copy(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Copy the states of slots ``sources`` into slots ``targets`` (no slot in both)."""
+        for tensor in (*self.conv, *self.ssm):
+            if tensor is not None:
+                tensor.index_copy_(0, targets, tensor.index_select(0, sources))
+
     def reset(self, slots: torch.Tensor) -> None:
         """Zero the states of ``slots`` (sequences about to compute their first token)."""
         for tensor in (*self.conv, *self.ssm):
             if tensor is not None:
                 tensor.index_fill_(0, slots, 0)
+
+
+class StateCache:
+    """Copies of sequences' states at block boundaries, by the chain hash of the block that ends
+    there (:func:`.kv_cache.chain_hash`): the prefix cache of a model with per-sequence states.
+
+    It owns ``count`` slots of :class:`RecurrentState` from ``first`` on (after the running
+    sequences' slots); the least recently used copy gives way to a new one. The scheduler looks
+    copies up as it admits a sequence (:meth:`lookup`); the runner copies the one found into the
+    sequence's slot before the step computes it (:meth:`restore`), and after a step saves the
+    states of the sequences whose computed tokens end a block (:meth:`save`)."""
+
+    def __init__(self, states: RecurrentState, first: int, count: int, device: torch.device) -> None:
+        if count < 1 or first + count > states.slots:
+            raise ValueError(f"no room for {count} cached states from slot {first} among {states.slots}")
+        self.states = states
+        self.count = count
+        self.device = device
+        self._free = list(range(first + count - 1, first - 1, -1))
+        self._by_hash: OrderedDict[int, int] = OrderedDict()  # least recently used first
+        self.restored = 0  # sequences that started from a kept state
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The slot of the state after the block of ``block_hash`` (and all before it), if kept."""
+        slot = self._by_hash.get(block_hash)
+        if slot is not None:
+            self._by_hash.move_to_end(block_hash)
+        return slot
+
+    def restore(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (cached slot, sequence slot) pair's state into the sequence's slot."""
+        if pairs:
+            self.restored += len(pairs)
+            sources, targets = zip(*pairs)
+            self.states.copy(self._index(sources), self._index(targets))
+
+    def save(self, saves: list[tuple[int, int, int | None]]) -> None:
+        """Keep the state of each (sequence slot, block hash, replaced hash) as the state after that
+        block; the copy of the replaced hash goes (the sequence's previous copy while it
+        generates: only its latest is worth keeping). One already kept is only marked used. The
+        replaced copy's slot takes the new one first, then a free slot, then the least recently
+        used copy's."""
+        sources, targets = [], []
+        for slot, block_hash, replaced in saves:
+            if block_hash in self._by_hash:  # the same tokens' state, kept by another sequence
+                self._by_hash.move_to_end(block_hash)
+                if replaced is not None and replaced in self._by_hash:
+                    self._free.append(self._by_hash.pop(replaced))
+                continue
+            if replaced is not None and replaced in self._by_hash:
+                target = self._by_hash.pop(replaced)
+            elif self._free:
+                target = self._free.pop()
+            else:
+                _, target = self._by_hash.popitem(last=False)
+                if target in targets:  # a copy this very call made: this step saved more than count
+                    del sources[targets.index(target)], targets[targets.index(target)]
+            self._by_hash[block_hash] = target
+            sources.append(slot)
+            targets.append(target)
+        if sources:
+            self.states.copy(self._index(sources), self._index(targets))
+
+    def _index(self, slots) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
 
 
 def causal_conv(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,

@@ -11,6 +11,7 @@ so the router serves the folder as it serves any chat model.
     .venv/bin/python bench/random_checkpoint.py --out /tmp/moe --arch mixtral
     .venv/bin/python bench/random_checkpoint.py --out /tmp/oss --arch gpt_oss      # the same shape as gpt-oss
     .venv/bin/python bench/random_checkpoint.py --out /tmp/gemma3 --arch gemma3   # Gemma 3 270M's layers
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/q35 --arch qwen3_5_text  # Gated DeltaNet, 3 in 4 layers
     .venv/bin/python bench/engines.py --model /tmp/moe --skip llamacpp --levels 1,8,32
 """
 
@@ -27,11 +28,19 @@ GEMMA3_270M = dict(hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 
+# A Qwen3.5 text model of SmolLM2's scale (no release is this small): 12 layers of 1024, a full
+# (gated) attention layer after every three Gated DeltaNet ones; 8 query heads on 2 KV heads of
+# 128, the linear layers' 8 key heads and 16 value heads of 64, 4 taps.
+QWEN3_5_SMALL = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
+                     head_dim=128, intermediate_size=3072, linear_num_key_heads=8, linear_num_value_heads=16,
+                     linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                     max_position_embeddings=32768)
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
-    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3"], default="qwen3_moe")
+    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3", "qwen3_5_text"], default="qwen3_moe")
     p.add_argument("--hidden", type=int, default=1024, help="MoE: hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=12, help="MoE: decoder layers, every one sparse (default 12)")
     p.add_argument("--heads", type=int, default=16, help="MoE: query heads (default 16; 4 KV heads)")
@@ -64,6 +73,9 @@ def main() -> None:
                                       intermediate_size=4 * args.expert_size, moe_intermediate_size=args.expert_size,
                                       num_experts=args.experts, norm_topk_prob=True)
         shape = f"{args.experts} experts ({args.top_k} a token) of {args.expert_size} in each of {args.layers} layers"
+    elif args.arch == "qwen3_5_text":
+        config = AutoConfig.for_model("qwen3_5_text", **common, **QWEN3_5_SMALL)
+        shape = "12 layers of 1024, every fourth full attention, the others Gated DeltaNet"
     else:
         config = AutoConfig.for_model("gemma3_text", **common, **GEMMA3_270M)
         shape = "Gemma 3 270M's 18 layers"
@@ -71,6 +83,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if args.arch == "qwen3_5_text":
+                break  # transformers' own initialisation: offset norms at 0, the decays' A_log and dt_bias
             if name.endswith("norm.weight"):  # a factor of 1 (Gemma's norms scale by 1 + weight)
                 param.fill_(0.0 if args.arch == "gemma3" else 1.0)
             else:

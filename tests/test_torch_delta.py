@@ -8,19 +8,19 @@ memory), the spec and what is refused."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from backends.torch.delta import DeltaShape, delta_rule_chunked, delta_rule_step
+from backends.torch.attention import AttentionMetadata, PrefillSpan
+from backends.torch.delta import DeltaShape, delta_rule_chunked, delta_rule_step, rule_over_step
 from backends.torch.graphs import DecodeGraphs
 from backends.torch.kv_cache import BlockPool
 from backends.torch.model import ModelError, ModelSpec
-from backends.torch.scheduler import Scheduler
-from backends.torch.sequence import Sequence
-from backends.torch.state import RecurrentState, StateCache, StateSlots
-from router.engine import EngineRequest, SamplingParams
+from backends.torch.state import RecurrentState, StateCache, StateSlots, causal_conv, kept_boundary
+from router.engine import EngineError
 from test_torch_engine import (
     assert_greedy_matches_transformers, assert_preemption_and_cancelling, assert_prefix_hits_match_no_cache,
     engine_for, generate, random_prompts, run, small_steps_engine,
@@ -162,11 +162,11 @@ def test_prefix_hits_start_from_the_kept_state(delta):
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
 def test_a_prompt_computed_in_one_step_keeps_its_state_before_its_last_token(arch, tmp_path):
-    """A 35-token prompt in a 64-token step is cut at 32 (the block boundary before its last token)
-    and its last 3 tokens computed in the next step: the same prompt again starts from the state
-    kept at 32. Then the next turn, the prompt and its output and more: it starts from the state
-    its output left at 52, the latest block boundary it reached (a sequence keeps only its latest
-    past its prompt). Every output transformers'."""
+    """A 35-token prompt in one 64-token step keeps the state at 32 as its layers pass it (the
+    block boundary before its last token): the same prompt again starts from there. Then the
+    next turn, the prompt and its output and more: it starts from the state its output left at
+    52, the latest block boundary it reached (a sequence keeps only its latest past its prompt).
+    Every output transformers'."""
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, block_size=4, max_batched_tokens=64, max_num_seqs=4)
     try:
@@ -467,33 +467,93 @@ def test_a_generating_sequence_keeps_only_its_latest_state():
     assert cache.lookup(111) is None and len(cache) == 3 and cache.lookup(100) is not None
 
 
-def _sequence(prompt_length, computed=0):
-    req = EngineRequest("t", list(range(3, 3 + prompt_length)), SamplingParams(temperature=0.0), 4)
-    seq = Sequence(req, lambda item: None, block_size=4)
-    seq.num_computed = computed
-    return seq
-
-
-@pytest.mark.parametrize("length, computed, budget, expected", [
-    (35, 0, 64, 32),  # the whole prompt fits: cut before its last token's block boundary
-    (35, 32, 64, 3),  # its rest
-    (35, 0, 18, 16),  # a chunk inside the prompt: cut at the last boundary it reaches
-    (35, 16, 18, 16),
-    (35, 30, 18, 2),  # up to the boundary before the last token
-    (35, 33, 64, 2),  # no boundary left inside: unchanged
-    (32, 0, 64, 28),  # 32 tokens: the boundary before the last one is 28
-    (35, 34, 64, 1),  # a decode row
-    (35, 0, 3, 3),  # no boundary reached: unchanged
-    (5, 0, 64, 4),
-    (3, 0, 64, 3),
+@pytest.mark.parametrize("start, end, total, expected", [
+    (0, 35, 35, 32),  # the whole prompt: the boundary before its last token
+    (32, 35, 35, None),  # its rest: no boundary after 32
+    (0, 18, 35, 16),  # a chunk inside the prompt: the last boundary it reaches
+    (16, 34, 35, 32),
+    (30, 35, 35, 32),
+    (0, 32, 32, 28),  # a prompt of 32: the boundary before its last token is 28
+    (0, 32, 40, 32),  # a chunk ending on a boundary keeps the state at its end
+    (0, 3, 35, None),  # no boundary reached
+    (0, 5, 5, 4),
+    (0, 3, 3, None),
+    (32, 33, 33, None),  # a decode row (after a step it is saved where it lands on a boundary)
 ])
-def test_prompt_chunks_end_on_block_boundaries_where_states_are_kept(length, computed, budget, expected):
-    pool = BlockPool(64, 4)
-    kept = Scheduler(pool, max_num_seqs=4, max_batched_tokens=64, state_slots=StateSlots(4),
-                     state_cache=_kept_states()[1])
-    plain = Scheduler(pool, max_num_seqs=4, max_batched_tokens=64, state_slots=StateSlots(4))
-    for scheduler in (kept, plain):
-        scheduler._scoring = 256
-    seq = _sequence(length, computed)
-    assert kept._chunk(seq, budget) == expected
-    assert plain._chunk(seq, budget) == min(budget, length - computed)
+def test_a_prompt_chunk_keeps_the_state_at_its_last_block_boundary(start, end, total, expected):
+    assert kept_boundary(start, end, total, 4) == expected
+
+
+def test_states_placed_for_a_step_that_failed_are_forgotten(next_folder):
+    """A step whose forward raises after its prompt chunk's state was placed: nobody starts from
+    that state later (the same prompt again reports nothing cached, and gives the model's tokens)."""
+    engine = engine_for(next_folder, block_size=4, max_batched_tokens=64)
+    model = engine.runner.model
+
+    class FailsOnce:
+        failed = False
+
+        def __call__(self, *args):
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise RuntimeError("a device error")
+            return model(*args)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    prompt = random_prompts(14, (35,))[0]
+    try:
+        engine.runner.model = FailsOnce()
+        with pytest.raises(EngineError, match="a device error"):
+            run(generate(engine, prompt, 4))
+        assert len(engine.state_cache) == 0
+        out, cached = run(generate(engine, prompt, 4))
+        # kept: at 32 by the prompt, at 36 by the first token's step
+        assert cached == 0 and out == hf_greedy(next_folder, prompt, 4) and len(engine.state_cache) == 2
+    finally:
+        run(engine.stop())
+
+
+@pytest.mark.parametrize("keep", [1, 4, 9, 10])
+def test_a_state_kept_inside_a_chunk_is_the_state_after_its_tokens(keep):
+    """The rule and the short convolution over a 10-token prompt chunk (rows 2 to 12 of a step,
+    after two other rows) copy the state after the chunk's first ``keep`` tokens to slot 2, and
+    give the same outputs and final state as without keeping one."""
+    q, k, v, g, beta, state = _random_rule_inputs(15, 2, 12)
+    rows = lambda x: x.transpose(0, 1).contiguous()  # noqa: E731 - [tokens, heads, ...]
+    span = PrefillSpan(2, 12, None, None, keep=(keep, 2))
+    meta = AttentionMetadata([], [], None, prefills=[span], state_slots=torch.tensor([0]))
+    ssm = torch.stack([state, torch.zeros_like(state), torch.zeros_like(state)])
+    out = rule_over_step(*(rows(x) for x in (q, k, v, g, beta)), ssm, meta)
+    part = lambda x, a, b: x[:, a:b]  # noqa: E731
+    _, at_keep = delta_rule_chunked(*(part(x, 2, 2 + keep) for x in (q, k, v, g, beta)), state)
+    whole, end = delta_rule_chunked(*(part(x, 2, 12) for x in (q, k, v, g, beta)), state)
+    torch.testing.assert_close(ssm[2], at_keep, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssm[0], end, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[2:12], whole.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+    x = torch.randn(12, 6)
+    taps = torch.randn(6, 4)
+    conv_state = torch.randn(3, 6, 3)
+    before = conv_state[0].clone()
+    plain = causal_conv(x, taps, None, conv_state.clone(), dataclasses.replace(meta, prefills=[
+        PrefillSpan(2, 12, None, None)]))
+    got = causal_conv(x, taps, None, conv_state, meta)
+    torch.testing.assert_close(got[2:12], plain[2:12])
+    inputs = torch.cat((before, x[2:12].T), dim=-1)  # 3 earlier inputs, then the chunk's
+    torch.testing.assert_close(conv_state[2], inputs[:, keep : keep + 3])
+    torch.testing.assert_close(conv_state[0], inputs[:, -3:])
+
+
+def test_no_two_copies_of_one_call_land_in_one_slot():
+    """A save whose replaced copy another save of the same call just placed keeps that copy and
+    takes another slot; a sequence meeting its own replaced copy again keeps it."""
+    states, cache = _kept_states(count=3)
+    cache.save([(0, 100, None), (1, 101, None)])
+    cache.save([(0, 102, None), (1, 103, 102)])  # 102 placed by this call: not replaced
+    assert cache.lookup(102) is not None and cache.lookup(103) is not None and cache.lookup(102) != cache.lookup(103)
+    assert [float(states.ssm[0][cache.lookup(h)].mean()) for h in (102, 103)] == [1.0, 2.0]
+    assert cache.lookup(100) is None  # the least recently used made room for 103
+    cache.save([(1, 103, 103)])  # its own latest met again (a preempted sequence's recompute)
+    assert cache.lookup(103) is not None and len(cache) == 3

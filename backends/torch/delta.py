@@ -197,10 +197,21 @@ def rule_over_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                                          ssm.index_select(0, slots[:d]))
         ssm.index_copy_(0, slots[:d], state)
     for j, span in enumerate(meta.prefills):
-        rows, slot = slice(span.start, span.end), slots[d + j : d + j + 1]
-        t = lambda x: x[rows].transpose(0, 1) if x is not None else None  # noqa: E731 - [heads, tokens, ...]
-        chunk_out, state = delta_rule_chunked(t(q), t(k), t(v), t(g), t(beta), ssm.index_select(0, slot)[0])
-        out[rows] = chunk_out.transpose(0, 1)
+        slot = slots[d + j : d + j + 1]
+        state = ssm.index_select(0, slot)[0]
+        # A state kept inside the chunk (the prefix cache's): the rule runs to it, then on.
+        ends = (span.end,)
+        if span.keep is not None and span.keep[0] < span.end - span.start:
+            ends = (span.start + span.keep[0], span.end)
+        start = span.start
+        for end in ends:
+            if end > start:
+                t = lambda x: x[start:end].transpose(0, 1) if x is not None else None  # noqa: E731 - [heads, tokens, ...]
+                chunk_out, state = delta_rule_chunked(t(q), t(k), t(v), t(g), t(beta), state)
+                out[start:end] = chunk_out.transpose(0, 1)
+            if span.keep is not None and end == span.start + span.keep[0]:
+                ssm[span.keep[1]] = state
+            start = end
         ssm.index_copy_(0, slot, state[None])
     return out
 

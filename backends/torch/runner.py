@@ -17,6 +17,7 @@ from .model import CausalLM
 from .sampler import BatchSampler, RowSampling
 from .scheduler import Scheduled, Step, StepRows
 from .speculative import accepted_count, rewind
+from .state import kept_boundary
 
 if TYPE_CHECKING:
     from .cpu_decode import CpuDecoder
@@ -54,6 +55,7 @@ class ModelRunner:
         self.model = model
         self.states = states  # linear attention's per-sequence states (state.py); None: no such layers
         self.state_cache = state_cache  # their copies at block boundaries (the prefix cache's); None: none kept
+        self._placed: list[int] = []  # the hashes of the states the running step keeps inside its prompt chunks
         self.decoder = decoder  # the packed formats' one C call for steps that decode or compute short prompts
         self.graphs = graphs  # decode-only steps on static buffers (CUDA graphs)
         self.adapters = adapters  # LoRA: which rows of a step use which adapter (lora.py)
@@ -99,7 +101,7 @@ class ModelRunner:
             if fresh:
                 self.states.reset(as_tensor(fresh))
             restored = [(w.seq.restore_from, w.seq.state_slot) for w in step.work if w.seq.restore_from is not None]
-            if restored:  # prefix hits: the state after the cached blocks
+            if restored:  # prefix hits: the state after the cached blocks (copied before any is replaced below)
                 self.state_cache.restore(restored)
                 for w in step.work:
                     w.seq.restore_from = None
@@ -109,7 +111,33 @@ class ModelRunner:
             meta.prefills.append(prefill_span(row, w.seq.block_table, w.num_new, context, self._offsets,
                                               self.full_layers, self.window_layers, self.window))
             row += w.num_new
+        if self.state_cache is not None:
+            self._keep_states(step.work[len(decode) :], meta)
         return as_tensor(rows.ids), positions, meta, as_tensor(rows.out_rows)
+
+    def _keep_states(self, chunks: list[Scheduled], meta: AttentionMetadata) -> None:
+        """The state each prompt chunk keeps at the last block boundary inside it (state.kept_boundary),
+        placed in the prefix cache's slots for the layers to copy there as they pass it."""
+        bs, kept = self.kv.block_size, []
+        for j, w in enumerate(chunks):
+            seq = w.seq
+            at = kept_boundary(seq.num_computed, seq.num_computed + w.num_new, len(seq.tokens), bs)
+            if at is not None:
+                kept.append((j, at - seq.num_computed, self._kept_hash(seq, at)))
+        targets = self.state_cache.place([hashes for _, _, hashes in kept])
+        for (j, tokens, (block_hash, _)), target in zip(kept, targets):
+            if target is not None:
+                meta.prefills[j].keep = (tokens, target)
+                self._placed.append(block_hash)
+
+    @staticmethod
+    def _kept_hash(seq, at: int) -> tuple[int, int | None]:
+        """The hash a state kept at position ``at`` goes by, and the one it replaces: past the
+        prompt, a sequence's previous copy (only its latest is worth keeping)."""
+        block_hash, replaced = seq.block_hash(at // seq.block_size - 1), None
+        if at > seq.num_prompt:
+            replaced, seq.output_state = seq.output_state, block_hash
+        return block_hash, replaced
 
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:
@@ -127,16 +155,23 @@ class ModelRunner:
             logits = self.graphs.logits(step, shape)  # None: that shape could not be captured
         if logits is None:
             rows = StepRows.of(step.work, self.kv.block_size)
-            input_ids, positions, meta, out_rows = self.prepare(step, rows)
-            logits = self.model(input_ids, positions, meta, out_rows)
+            self._placed = []
+            try:
+                input_ids, positions, meta, out_rows = self.prepare(step, rows)
+                logits = self.model(input_ids, positions, meta, out_rows)
+            except BaseException:
+                if self.state_cache is not None:  # never written: nobody may start from them
+                    self.state_cache.forget(self._placed)
+                raise
         if rows is not None and rows.scored:
             self._score_prompts(step, rows, logits)
             logits = logits[rows.sampling]
         sampling = [w for w in step.work if w.samples]
+        decoding = [w for w in step.work if w.is_decode] if self.state_cache is not None else []
         for w in step.work:
             w.seq.num_computed += w.num_new
-        if self.state_cache is not None:
-            self._save_states(step)
+        if decoding:
+            self._save_states(decoding)
         if not sampling:
             return []
         rows = [row for w in sampling for row in self._rows(w)]
@@ -162,20 +197,12 @@ class ModelRunner:
             at += n
         return out
 
-    def _save_states(self, step: Step) -> None:
-        """Keep the states of the sequences whose computed tokens now end a block (state.StateCache):
-        past the prompt, each sequence's latest copy replaces its previous one."""
-        bs, saves = self.kv.block_size, []
-        for w in step.work:
-            seq = w.seq
-            if seq.num_computed % bs:
-                continue
-            block_hash = seq.block_hash(seq.num_computed // bs - 1)
-            replaced = None
-            if seq.num_computed > seq.num_prompt:
-                replaced, seq.output_state = seq.output_state, block_hash
-            saves.append((seq.state_slot, block_hash, replaced))
-        self.state_cache.save(saves)
+    def _save_states(self, decoding: list[Scheduled]) -> None:
+        """Keep the states of the step's decoding sequences whose computed tokens now end a block
+        (state.StateCache; prompt chunks kept theirs as they ran, :meth:`_keep_states`)."""
+        bs = self.kv.block_size
+        self.state_cache.save([(w.seq.state_slot, *self._kept_hash(w.seq, w.seq.num_computed))
+                               for w in decoding if w.seq.num_computed % bs == 0])
 
     def _score_prompts(self, step: Step, rows: StepRows, logits: torch.Tensor) -> None:
         """Prompt logprobs: the logits of position p give prompt token p + 1's entry."""

@@ -317,19 +317,7 @@ class Scheduler:
         scoring = seq.scoring(num_new)
         if len(scoring) > self._scoring:
             num_new = scoring.start - seq.num_computed + self._scoring
-        if self.state_cache is not None:
-            num_new = self._to_boundary(seq, num_new)
         return num_new
-
-    def _to_boundary(self, seq: Sequence, num_new: int) -> int:
-        """A prompt chunk cut to end on a block boundary, where its state is kept (state.StateCache):
-        a chunk within the prompt at the last boundary it reaches, the prompt's last chunk at the
-        boundary before its last token (the deepest a later identical prompt can start from),
-        its rest computed in the next step. Unchanged where no boundary lies inside the chunk."""
-        bs, start, total = self.pool.block_size, seq.num_computed, len(seq.tokens)
-        end = start + num_new
-        boundary = (total - 1) // bs * bs if end == total else end // bs * bs
-        return boundary - start if boundary > start else num_new
 
     def _capacity(self, seq: Sequence) -> int:
         """How many more tokens the sequence could hold with its blocks plus all free ones."""

@@ -2,15 +2,16 @@
 
 A Gated DeltaNet layer (:mod:`.delta`) or a Mamba2 layer (:mod:`.mamba`) carries each
 sequence's past as a fixed-size state: its convolution's last inputs and a matrix per head.
-Every running sequence holds one slot of :class:`RecurrentState` (``max_num_seqs`` slots, taken
-at admission, given back when it finishes, is cancelled or is preempted: a preempted sequence
-recomputes its state from its tokens, as its keys and values). The memory is set aside before
-the KV blocks are counted.
+Every running sequence holds one of the first ``max_num_seqs`` slots of :class:`RecurrentState`
+(taken at admission, given back when it finishes, is cancelled or is preempted: a preempted
+sequence recomputes its state from its tokens, as its keys and values). The memory is set aside
+before the KV blocks are counted.
 
 A block's tokens say nothing about the state before them, so the prefix cache needs the states
-themselves: :class:`StateCache` keeps copies of states where a sequence's computed tokens end a
-block (in slots after the running ones), by that block's chain hash. A later sequence with the
-same prefix starts from the copy at the deepest such boundary whose blocks are still cached.
+themselves: :class:`StateCache` keeps copies of states at block boundaries that sequences'
+steps pass (in the slots after the running ones), by the chain hash of the block ending there.
+A later sequence with the same prefix starts from the copy at the deepest such boundary whose
+blocks are still cached.
 """
 
 from __future__ import annotations
@@ -99,8 +100,11 @@ class StateCache:
     It owns ``count`` slots of :class:`RecurrentState` from ``first`` on (after the running
     sequences' slots); the least recently used copy gives way to a new one. The scheduler looks
     copies up as it admits a sequence (:meth:`lookup`); the runner copies the one found into the
-    sequence's slot before the step computes it (:meth:`restore`), and after a step saves the
-    states of the sequences whose computed tokens end a block (:meth:`save`)."""
+    sequence's slot before the step computes it (:meth:`restore`). A prompt chunk keeps the
+    state at the last block boundary inside it (:func:`kept_boundary`): the runner places it
+    before the step (:meth:`place`) and the layers copy it there as they pass it
+    (:attr:`.attention.PrefillSpan.keep`); after a step the runner saves the states of decoding
+    sequences whose computed tokens end a block (:meth:`save`)."""
 
     def __init__(self, states: RecurrentState, first: int, count: int, device: torch.device) -> None:
         if count < 1 or first + count > states.slots:
@@ -129,18 +133,23 @@ class StateCache:
             sources, targets = zip(*pairs)
             self.states.copy(self._index(sources), self._index(targets))
 
-    def save(self, saves: list[tuple[int, int, int | None]]) -> None:
-        """Keep the state of each (sequence slot, block hash, replaced hash) as the state after that
-        block; the copy of the replaced hash goes (the sequence's previous copy while it
-        generates: only its latest is worth keeping). One already kept is only marked used. The
-        replaced copy's slot takes the new one first, then a free slot, then the least recently
-        used copy's."""
-        sources, targets = [], []
-        for slot, block_hash, replaced in saves:
+    def place(self, saves: list[tuple[int, int | None]]) -> list[int | None]:
+        """Slots for the states after the blocks of these (block hash, replaced hash) pairs, to be
+        copied there in the same step: the slot of each, None for a state kept already (it is
+        only marked used). The copy of the replaced hash goes (the sequence's previous copy
+        while it generates: only its latest is worth keeping), and its slot takes the new one
+        first, then a free slot, then the least recently used copy's."""
+        targets: list[int | None] = []
+        for block_hash, replaced in saves:
+            # The replaced copy goes, unless it is this one or a copy this very call placed
+            # (its slot is written this step: no two copies may land in one slot).
+            if replaced == block_hash or self._by_hash.get(replaced) in targets:
+                replaced = None
             if block_hash in self._by_hash:  # the same tokens' state, kept by another sequence
                 self._by_hash.move_to_end(block_hash)
                 if replaced is not None and replaced in self._by_hash:
                     self._free.append(self._by_hash.pop(replaced))
+                targets.append(None)
                 continue
             if replaced is not None and replaced in self._by_hash:
                 target = self._by_hash.pop(replaced)
@@ -148,16 +157,39 @@ class StateCache:
                 target = self._free.pop()
             else:
                 _, target = self._by_hash.popitem(last=False)
-                if target in targets:  # a copy this very call made: this step saved more than count
-                    del sources[targets.index(target)], targets[targets.index(target)]
+                if target in targets:  # placed by this very call: more saves than slots
+                    targets[targets.index(target)] = None
             self._by_hash[block_hash] = target
-            sources.append(slot)
             targets.append(target)
-        if sources:
+        return targets
+
+    def save(self, saves: list[tuple[int, int, int | None]]) -> None:
+        """Keep the state of each (sequence slot, block hash, replaced hash) as the state after
+        that block (:meth:`place`), copied now."""
+        targets = self.place([(block_hash, replaced) for _, block_hash, replaced in saves])
+        pairs = [(slot, target) for (slot, _, _), target in zip(saves, targets) if target is not None]
+        if pairs:
+            sources, targets = zip(*pairs)
             self.states.copy(self._index(sources), self._index(targets))
+
+    def forget(self, block_hashes: list[int]) -> None:
+        """Drop the copies of these hashes (placed for a step that then failed: never written)."""
+        for block_hash in block_hashes:
+            slot = self._by_hash.pop(block_hash, None)
+            if slot is not None:
+                self._free.append(slot)
 
     def _index(self, slots) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def kept_boundary(start: int, end: int, total: int, block_size: int) -> int | None:
+    """Where a prompt chunk computing positions [start, end) of a sequence of ``total`` known
+    tokens keeps its state: the last block boundary inside it, though in the prompt's last chunk
+    none past the boundary before its last token (the deepest a later identical prompt can
+    start from: one token is always computed). None: no boundary after ``start``."""
+    boundary = ((total - 1) if end == total else end) // block_size * block_size
+    return boundary if boundary > start else None
 
 
 def causal_conv(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -181,6 +213,9 @@ def causal_conv(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None, 
         inputs = torch.cat((conv_state.index_select(0, slot)[0], x[span.start : span.end].T.to(conv_state.dtype)),
                            dim=-1)  # [channels, kernel - 1 + tokens]
         conv_state.index_copy_(0, slot, inputs[None, :, inputs.shape[1] - (kernel - 1) :])
+        if span.keep is not None:  # the inputs before the kept state's position (the prefix cache's)
+            tokens, target = span.keep
+            conv_state[target] = inputs[:, tokens : tokens + kernel - 1]
         conv = F.conv1d(inputs.float()[None], taps[:, None, :], bias, groups=taps.shape[0])[0]
         out[span.start : span.end] = F.silu(conv.to(x.dtype)).T
     return out

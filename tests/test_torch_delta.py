@@ -28,9 +28,9 @@ from test_torch_engine import (
 from test_torch_gemma import assert_prompt_logprobs_match_transformers, packed_torch_path_distance
 from torch_models import assert_built_with_config_refused, hf_greedy, tiny_checkpoint, write_lora
 
-ARCHS = ["qwen3_next", "qwen3_5-mm", "qwen3_5_moe-mm", "granite4-hybrid", "granite4-hybrid-moe", "nemotron_h",
+ARCHS = ["qwen3_next", "qwen3_5-mm", "qwen3_5_moe-mm", "granite4-hybrid", "granite4-hybrid-moe", "bamba", "nemotron_h",
          "nemotron_h-moe"]
-"""Every model with per-sequence states: Gated DeltaNet's and Mamba2's (Granite 4's hybrids, Nemotron-H)."""
+"""Every model with per-sequence states: Gated DeltaNet's and Mamba2's (Granite 4's hybrids, Bamba, Nemotron-H)."""
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -44,8 +44,8 @@ def next_folder(tmp_path_factory):
 
 
 def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(delta):
-    # Qwen: layers 0, 1 and 3 linear attention, layer 2 gated attention; Granite: layers 0, 2
-    # and 3 Mamba2, layer 1 attention; Nemotron-H: Mamba2, MLP, attention, MLP or experts,
+    # Qwen: layers 0, 1 and 3 linear attention, layer 2 gated attention; Granite and Bamba:
+    # layers 0, 2 and 3 Mamba2, layer 1 attention; Nemotron-H: Mamba2, MLP, attention, MLP or experts,
     # Mamba2, MLP blocks. Prompts of 5 to 40 tokens in 16-token steps: states
     # carried from chunk to chunk, decode rows beside prompt chunks.
     assert_greedy_matches_transformers(delta)

@@ -236,6 +236,13 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                                         layer_types=["mamba", "attention", "mamba", "mamba"], position_embedding_type=None,
                                         mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=32,
                                         mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=32)
+    elif arch == "bamba":  # Bamba: Granite 4's Mamba2 layers (no multipliers, a gated MLP) and attention rotating
+        # half of each head (transformers sets partial_rotary_factor 0.5 whatever the config says)
+        from transformers import BambaConfig
+
+        config = BambaConfig(**{**common, "intermediate_size": 48, "num_hidden_layers": 4}, pad_token_id=0,
+                             attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=32,
+                             mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=32, time_step_limit=(0.0, float("inf")))
     elif arch in ("nemotron_h", "nemotron_h-moe"):  # Nemotron-H: one kind a block (Mamba2 with 4 heads of 32 over 2
         # groups of 16, attention without rotary, squared-ReLU MLPs; experts: 2 of 4 by biased sigmoid scores, scaled
         # by 2.5, and a shared one)

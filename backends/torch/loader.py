@@ -203,6 +203,9 @@ _RENAMED = {
     # is named by its kind when the model loads: model._name_blocks)
     "nemotron_h": (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
                    ("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm.")),
+    # Bamba: its MLPs, their input norms and the final norm (its Mamba2 layers are Granite 4's, `mamba.`)
+    "bamba": ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+              ("model.final_layernorm.", "model.norm.")),
     # Apertus: its blocks' input norms
     "apertus": ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm.")),
 }

@@ -1,4 +1,4 @@
-"""Mamba2 layers (Granite 4's hybrid models, Nemotron-H), over per-sequence state.
+"""Mamba2 layers (Granite 4's hybrid models, Bamba, Nemotron-H), over per-sequence state.
 
 A Mamba2 mixer projects each token to a gate ``z``, the convolution's input (``x`` of
 ``heads x head_dim``, and ``B``, ``C`` of ``groups x state_size``, each group serving

@@ -3,7 +3,7 @@ Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Comman
 Apertus, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
 Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with short convolutions (:mod:`.conv`);
-Qwen3-Next and Qwen3.5 with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids and
+Qwen3-Next and Qwen3.5 with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
 Nemotron-H with Mamba2 layers (:mod:`.mamba`)) as plain torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
@@ -188,7 +188,7 @@ class ModelSpec:
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
-                 "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h")
+                 "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba")
     IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -413,7 +413,10 @@ class ModelSpec:
                 raise ModelError(f"{key} {cap} must be a positive number")
         granite = _granite_multipliers(cfg) if model_type in GRANITES else {}
         granite4 = model_type == "granitemoehybrid"
-        mamba = _granite4_layers(cfg) if granite4 else _nemotron_blocks(cfg) if model_type == "nemotron_h" else {}
+        if granite4 or model_type == "bamba":  # Bamba: Granite 4's hybrids' forerunner, the same Mamba2 layers
+            mamba = _granite4_layers(cfg)
+        else:
+            mamba = _nemotron_blocks(cfg) if model_type == "nemotron_h" else {}
         olmo = model_type in ("olmo2", "olmo3")
         exaone = model_type == "exaone4"  # OLMo 2's output norms (in the model's dtype), per-head q/k norms
         if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)

@@ -4,9 +4,10 @@ the prefix cache's kept states save a chat.
 A chat of several turns, each prompt the previous one, its answer and a new message, runs
 through two engines of the same checkpoint, one keeping states at block boundaries (the prefix
 cache) and one without the prefix cache, turn by turn alternating in one process. Prints each
-turn's prompt length, the tokens the first engine found cached, and each engine's time to first
-token and whole turn. Whichever engine runs a turn first is slower at it on this machine (by
-up to a quarter, whichever it is): compare the first turn across both orders.
+turn's prompt length, the tokens the engine keeping states found cached, and each engine's
+time to first token and whole turn. Whichever engine runs a turn first is slower at it on this
+machine (by up to a quarter, whichever it is): compare the first turn across both orders, or
+measure it alone with ``--fresh``.
 
     .venv/bin/python bench/random_checkpoint.py --out /tmp/q35 --arch qwen3_5_text
     .venv/bin/python bench/state_prefix.py --model /tmp/q35
@@ -67,7 +68,8 @@ def main() -> None:
     ap.add_argument("--message", type=int, default=40, help="tokens of each later message (default 40)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens of each answer (default 32)")
     ap.add_argument("--fresh", type=int, default=0, metavar="N",
-                    help="instead: N fresh first prompts of one token each, the order alternating; median first token")
+                    help="instead: N fresh first prompts (--system tokens, a one-token answer each), the order alternating; "
+                         "the median first token")
     ap.add_argument("--plain-first", action="store_true",
                     help="run each turn on the engine without the prefix cache first (whichever runs first is slower)")
     args = ap.parse_args()

@@ -14,6 +14,7 @@ import torch
 from backends.torch.delta import delta_rule_chunked, delta_rule_step
 from backends.torch.mamba import MambaShape
 from backends.torch.model import CausalLM, ModelError, ModelSpec
+from router.engine import EngineRequest, SamplingParams
 from test_torch_delta import _random_rule_inputs
 from test_torch_engine import generate, random_prompts, run, small_steps_engine
 from test_torch_gemma import packed_torch_path_distance
@@ -117,7 +118,8 @@ def test_time_steps_are_held_within_time_step_limit_in_prompts(dense, tmp_path):
     """Granite with time_step_limit [2, inf] (most of the tiny model's time steps are below 2):
     transformers' output changes and the engine's with it: a prompt's time steps held at 2 or
     more, decoded tokens' not (transformers' one-token update ignores the limit, as mamba_ssm's
-    does)."""
+    does). A 29-token prompt again, from the state kept at 28: its last prompt token runs alone
+    in a step, as decode rows do, and is still held (the same logprobs as the first time)."""
     import json
     import shutil
 
@@ -125,13 +127,22 @@ def test_time_steps_are_held_within_time_step_limit_in_prompts(dense, tmp_path):
     shutil.copytree(dense, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "time_step_limit": [2.0, 1e9]}))
-    prompt = random_prompts(3, (30,))[0]
+    prompt, short = random_prompts(3, (30, 29))
     engine = small_steps_engine(folder)
+
+    async def first_logprobs(prompt):
+        request = EngineRequest("t", prompt, SamplingParams(temperature=0.0, logprobs=5), 1, ignore_eos=True)
+        steps = [step async for step in engine.generate(request)]
+        return steps[0].cached_tokens, steps[0].logprobs[0]
+
     try:
         got = run(generate(engine, prompt, 10))[0]
+        (cold, fresh), (warm, again) = run(first_logprobs(short)), run(first_logprobs(short))
     finally:
         run(engine.stop())
     assert got == hf_greedy(folder, prompt, 10) != hf_greedy(dense, prompt, 10)
+    assert (cold, warm) == (0, 28) and again.top[0][0] == fresh.top[0][0]
+    assert abs(again.logprob - fresh.logprob) < 1e-5 and [t for t, _ in again.top] == [t for t, _ in fresh.top]
 
 
 def _nemotron(**changes):

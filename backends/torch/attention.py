@@ -66,6 +66,9 @@ class AttentionMetadata:
     # and each sequence's slot in them, in the step's order (decoding ones, then each prefill's).
     states: Any = None
     state_slots: torch.Tensor | None = None
+    # Mamba2 layers with a time_step_limit (:mod:`.mamba`): [tokens] whether each row is one of
+    # its sequence's prompt tokens (their time steps are held within the limit).
+    prompt_rows: torch.Tensor | None = None
 
 
 CAPPED_SCORES = 1 << 22

@@ -137,11 +137,13 @@ class Mamba2Mixer(nn.Module):
         group = s.heads // s.groups
         b, c = (t.view(n, s.groups, s.state_size).repeat_interleave(group, dim=1) for t in (b, c))
         # The time steps in the model's dtype, as transformers takes them, then float32; held
-        # within dt_limit in prompt chunks only, as Mamba2's chunked scan does (mamba_ssm's and
-        # transformers'), its one-token update not.
+        # within dt_limit in a prompt's tokens only, as Mamba2's chunked scan does (mamba_ssm's
+        # and transformers'), its one-token update not: by the row's token, not by how the step
+        # runs it (a prompt's last token may run as a decode row; a preempted sequence's decoded
+        # tokens recomputed as a prompt stay unheld, as they were computed).
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
         if s.dt_limit != (0.0, float("inf")):
-            dt[meta.num_decode :] = dt[meta.num_decode :].clamp(*s.dt_limit)
+            dt = torch.where(meta.prompt_rows[:, None], dt.clamp(*s.dt_limit), dt)
         dt = dt.float()
         g = dt * -self.A_log.float().exp()
         out = rule_over_step(c, b, u * dt[..., None], g, None, meta.states.ssm[self.layer], meta)

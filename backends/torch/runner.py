@@ -68,6 +68,8 @@ class ModelRunner:
         self.window = model.spec.sliding_window
         self.full_layers, self.window_layers = model.spec.mask_kinds
         self.conv_kernel = model.spec.conv_kernel if model.spec.conv_layers else 0
+        mamba = model.spec.mamba  # Mamba2 holds a prompt's time steps within a limit: which rows are prompt tokens
+        self.limits_time_steps = mamba is not None and mamba.dt_limit != (0.0, float("inf"))
         bs = kv.block_size
         self._offsets = torch.arange(bs, device=device)
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
@@ -94,6 +96,9 @@ class ModelRunner:
         if self.conv_kernel:  # LFM2: every row's window of convolution inputs
             meta.conv_slots, meta.conv_valid = conv_windows(positions, as_tensor(rows.tables), as_tensor(rows.table_of),
                                                             bs, self.conv_kernel)
+        if self.limits_time_steps:
+            meta.prompt_rows = torch.tensor(
+                [p < step.work[j].seq.num_prompt for p, j in zip(rows.positions, rows.table_of)]).to(dev, non_blocking=True)
         if self.states is not None:  # each sequence's state slot, zeroed where it starts from its first token
             meta.states = self.states
             meta.state_slots = as_tensor([w.seq.state_slot for w in step.work])
@@ -123,21 +128,27 @@ class ModelRunner:
             seq = w.seq
             at = kept_boundary(seq.num_computed, seq.num_computed + w.num_new, len(seq.tokens), bs)
             if at is not None:
-                kept.append((j, at - seq.num_computed, self._kept_hash(seq, at)))
-        targets = self.state_cache.place([hashes for _, _, hashes in kept])
-        for (j, tokens, (block_hash, _)), target in zip(kept, targets):
+                kept.append((j, seq, at))
+        saves = [self._kept_hash(seq, at) for _, seq, at in kept]
+        targets = self.state_cache.place(saves)
+        for (j, seq, at), (block_hash, _), target in zip(kept, saves, targets):
+            self._owned(seq, at, block_hash, target)
             if target is not None:
-                meta.prefills[j].keep = (tokens, target)
+                meta.prefills[j].keep = (at - seq.num_computed, target)
                 self._placed.append(block_hash)
 
     @staticmethod
     def _kept_hash(seq, at: int) -> tuple[int, int | None]:
         """The hash a state kept at position ``at`` goes by, and the one it replaces: past the
-        prompt, a sequence's previous copy (only its latest is worth keeping)."""
-        block_hash, replaced = seq.block_hash(at // seq.block_size - 1), None
+        prompt, the sequence's own previous copy (only its latest is worth keeping)."""
+        return seq.block_hash(at // seq.block_size - 1), seq.output_state if at > seq.num_prompt else None
+
+    @staticmethod
+    def _owned(seq, at: int, block_hash: int, target: int | None) -> None:
+        """Past the prompt, the copy a sequence now owns: the one just placed, or none where the
+        state was kept already (another sequence's copy is not its to replace)."""
         if at > seq.num_prompt:
-            replaced, seq.output_state = seq.output_state, block_hash
-        return block_hash, replaced
+            seq.output_state = block_hash if target is not None else None
 
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:
@@ -201,8 +212,10 @@ class ModelRunner:
         """Keep the states of the step's decoding sequences whose computed tokens now end a block
         (state.StateCache; prompt chunks kept theirs as they ran, :meth:`_keep_states`)."""
         bs = self.kv.block_size
-        self.state_cache.save([(w.seq.state_slot, *self._kept_hash(w.seq, w.seq.num_computed))
-                               for w in decoding if w.seq.num_computed % bs == 0])
+        ending = [w.seq for w in decoding if w.seq.num_computed % bs == 0]
+        saves = [(seq.state_slot, *self._kept_hash(seq, seq.num_computed)) for seq in ending]
+        for seq, (_, block_hash, _), target in zip(ending, saves, self.state_cache.save(saves)):
+            self._owned(seq, seq.num_computed, block_hash, target)
 
     def _score_prompts(self, step: Step, rows: StepRows, logits: torch.Tensor) -> None:
         """Prompt logprobs: the logits of position p give prompt token p + 1's entry."""

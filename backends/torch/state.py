@@ -163,14 +163,15 @@ class StateCache:
             targets.append(target)
         return targets
 
-    def save(self, saves: list[tuple[int, int, int | None]]) -> None:
+    def save(self, saves: list[tuple[int, int, int | None]]) -> list[int | None]:
         """Keep the state of each (sequence slot, block hash, replaced hash) as the state after
-        that block (:meth:`place`), copied now."""
+        that block (:meth:`place`), copied now; the slots, as :meth:`place` gives them."""
         targets = self.place([(block_hash, replaced) for _, block_hash, replaced in saves])
         pairs = [(slot, target) for (slot, _, _), target in zip(saves, targets) if target is not None]
         if pairs:
-            sources, targets = zip(*pairs)
-            self.states.copy(self._index(sources), self._index(targets))
+            sources, kept = zip(*pairs)
+            self.states.copy(self._index(sources), self._index(kept))
+        return targets
 
     def forget(self, block_hashes: list[int]) -> None:
         """Drop the copies of these hashes (placed for a step that then failed: never written)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_torch_delta import assert_kept_states_serve_a_repeat_and_a_next_turn
 from test_torch_engine import engine_for, generate_all, random_prompts, run
 from torch_models import hf_greedy, smollm2_folder, tiny_checkpoint
 
@@ -45,7 +46,7 @@ def test_models_without_decode_graphs_run_eagerly_on_cuda_and_match_transformers
     # Routing reads each expert's row count back to the host, which no graph can hold: with
     # cuda_graphs on, a MoE model's decode steps still run eagerly; LFM2's too (the static
     # path builds no convolution windows), and those with per-sequence states (Qwen3-Next, Qwen3.5,
-    # Granite 4's hybrids, Nemotron-H).
+    # Granite 4's hybrids, Bamba, Nemotron-H).
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, device="cuda", dtype="float32", block_size=4, max_batched_tokens=16, max_num_seqs=16)
     try:
@@ -55,6 +56,15 @@ def test_models_without_decode_graphs_run_eagerly_on_cuda_and_match_transformers
             assert ours == hf_greedy(folder, p, 20)
     finally:
         run(engine.stop())
+
+
+@pytest.mark.parametrize("arch", ["granite4-hybrid", "qwen3_next"])
+def test_kept_states_on_cuda(tmp_path, arch):
+    """The prefix cache of a model with per-sequence states on the GPU: a repeated prompt and a
+    chat's next turn start from kept states (copied in and out of their slots on the device)
+    and give transformers' tokens."""
+    assert_kept_states_serve_a_repeat_and_a_next_turn(tiny_checkpoint(tmp_path / arch, arch), device="cuda",
+                                                      dtype="float32")
 
 
 def test_smollm2_bf16_graphs_and_eager_agree():

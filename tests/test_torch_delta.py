@@ -167,8 +167,12 @@ def test_a_prompt_computed_in_one_step_keeps_its_state_before_its_last_token(arc
     next turn, the prompt and its output and more: it starts from the state its output left at
     52, the latest block boundary it reached (a sequence keeps only its latest past its prompt).
     Every output transformers'."""
-    folder = tiny_checkpoint(tmp_path / arch, arch)
-    engine = engine_for(folder, block_size=4, max_batched_tokens=64, max_num_seqs=4)
+    assert_kept_states_serve_a_repeat_and_a_next_turn(tiny_checkpoint(tmp_path / arch, arch))
+
+
+def assert_kept_states_serve_a_repeat_and_a_next_turn(folder, **options):
+    """The test above on any engine options (test_torch_cuda.py runs it on a GPU)."""
+    engine = engine_for(folder, block_size=4, max_batched_tokens=64, max_num_seqs=4, **options)
     try:
         prompt = random_prompts(12, (35,))[0]
         first, cached = run(generate(engine, prompt, 20))

@@ -175,7 +175,7 @@ class ModelSpec:
     linear_layers: tuple[int, ...] = ()
     delta: DeltaShape | None = None
     gated_attention: bool = False
-    # Granite 4's hybrids and Nemotron-H: their linear_layers are Mamba2 layers (:mod:`.mamba`) of this shape.
+    # Granite 4's hybrids, Bamba and Nemotron-H: their linear_layers are Mamba2 layers (:mod:`.mamba`) of this shape.
     mamba: MambaShape | None = None
     # Nemotron-H: each layer is one block of one kind, "mamba", "attention", "mlp" (ungated,
     # squared ReLU) or "moe", its input normed, its output added to the residual; empty: every

@@ -7,12 +7,15 @@ cache) and one without the prefix cache, turn by turn alternating in one process
 turn's prompt length, the tokens the engine keeping states found cached, and each engine's
 time to first token and whole turn. Whichever engine runs a turn first is slower at it on this
 machine (by up to a quarter, whichever it is): compare the first turn across both orders, or
-measure it alone with ``--fresh``.
+measure it alone with ``--fresh``. With ``--users N``, N users instead, each with one message after
+the same system prompt: the second keeps the state where the system prompt's shared blocks end,
+the third and later start there.
 
     .venv/bin/python bench/random_checkpoint.py --out /tmp/q35 --arch qwen3_5_text
     .venv/bin/python bench/state_prefix.py --model /tmp/q35
     .venv/bin/python bench/state_prefix.py --model /tmp/q35 --plain-first
     .venv/bin/python bench/state_prefix.py --model /tmp/q35 --fresh 8   # what a first turn pays
+    .venv/bin/python bench/state_prefix.py --model /tmp/q35 --users 6   # one system prompt, six users
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ def main() -> None:
     ap.add_argument("--fresh", type=int, default=0, metavar="N",
                     help="instead: N fresh first prompts (--system tokens, a one-token answer each), the order alternating; "
                          "the median first token")
+    ap.add_argument("--users", type=int, default=0, metavar="N",
+                    help="instead: N users, each one message (--message tokens) after one system prompt (--system tokens)")
     ap.add_argument("--plain-first", action="store_true",
                     help="run each turn on the engine without the prefix cache first (whichever runs first is slower)")
     args = ap.parse_args()
@@ -84,13 +89,17 @@ def main() -> None:
         if kept.state_cache is None:
             sys.exit(f"{args.model}: no per-sequence states (linear attention, Mamba2) to keep")
         print(f"{args.model}: at most {kept.state_cache.count} states kept; blocks of {kept.options.block_size}")
-        print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'first token: kept':>18} {'none':>7} {'ratio':>6}"
+        print(f"{'turn' if not args.users else 'user':>4} {'prompt':>7} {'cached':>7} {'first token: kept':>18} {'none':>7} {'ratio':>6}"
               f" {'turn: kept':>11} {'none':>7} {'ratio':>6}")
         for engine in (kept, plain):  # warm up: a first step pays for what later ones reuse
             asyncio.run(one_turn(engine, words(20), 2))
         if args.fresh:
             return fresh_prompts(kept, plain, [words(args.system) for _ in range(args.fresh)])
         prompt = words(args.system)
+        chat = args.users == 0
+        if not chat:  # each "turn" a user's one message after the system prompt
+            system, args.turns = prompt, args.users
+            prompt = system + words(args.message)
         for turn in range(1, args.turns + 1):
             if args.plain_first:
                 same, _, first_plain, whole_plain = asyncio.run(one_turn(plain, prompt, args.max_tokens))
@@ -101,7 +110,7 @@ def main() -> None:
                 sys.exit(f"turn {turn}: the engines' answers differ")
             print(f"{turn:>4} {len(prompt):>7} {cached:>7} {first:>17.3f}s {first_plain:>6.3f}s {first_plain / first:>5.2f}x"
                   f" {whole:>10.3f}s {whole_plain:>6.3f}s {whole_plain / whole:>5.2f}x")
-            prompt = prompt + answer + words(args.message)
+            prompt = prompt + answer + words(args.message) if chat else system + words(args.message)
     finally:
         asyncio.run(kept.stop())
         asyncio.run(plain.stop())

@@ -160,6 +160,23 @@ def test_prefix_hits_start_from_the_kept_state(delta):
     assert_prefix_hits_match_no_cache(delta)
 
 
+def test_a_shared_system_prompt_seen_twice_keeps_its_state_where_its_blocks_end(delta):
+    """Three prompts, one 38-token system prompt and 7 tokens of their own, each in one 64-token
+    step with blocks of 4. The first keeps its state only at 44 (before its last token). The
+    second finds the 36 tokens of shared blocks cached but no state there: it computes them and
+    keeps the state at 36 too. The third and fourth start there. Every output transformers'."""
+    system = random_prompts(21, (38,))[0]
+    prompts = [system + tail for tail in random_prompts(22, (7, 7, 7, 7))]
+    engine = engine_for(delta, block_size=4, max_batched_tokens=64, max_num_seqs=4)
+    try:
+        got = [run(generate(engine, p, 6)) for p in prompts]
+        assert engine.stats()["cached_state_hits"] == 2
+    finally:
+        run(engine.stop())
+    assert [cached for _, cached in got] == [0, 0, 36, 36]
+    assert [out for out, _ in got] == [hf_greedy(delta, p, 6) for p in prompts]
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
 def test_a_prompt_computed_in_one_step_keeps_its_state_before_its_last_token(arch, tmp_path):
     """A 35-token prompt in one 64-token step keeps the state at 32 as its layers pass it (the
@@ -519,34 +536,36 @@ def test_states_placed_for_a_step_that_failed_are_forgotten(next_folder):
         run(engine.stop())
 
 
-@pytest.mark.parametrize("keep", [1, 4, 9, 10])
-def test_a_state_kept_inside_a_chunk_is_the_state_after_its_tokens(keep):
+@pytest.mark.parametrize("keeps", [(1,), (4,), (9,), (10,), (4, 9), (1, 10), (3, 4)])
+def test_states_kept_inside_a_chunk_are_the_states_after_their_tokens(keeps):
     """The rule and the short convolution over a 10-token prompt chunk (rows 2 to 12 of a step,
-    after two other rows) copy the state after the chunk's first ``keep`` tokens to slot 2, and
-    give the same outputs and final state as without keeping one."""
+    after two other rows) copy the state after the chunk's first ``keeps[i]`` tokens to slot
+    ``2 + i``, and give the same outputs and final state as without keeping any."""
     q, k, v, g, beta, state = _random_rule_inputs(15, 2, 12)
     rows = lambda x: x.transpose(0, 1).contiguous()  # noqa: E731 - [tokens, heads, ...]
-    span = PrefillSpan(2, 12, None, None, keep=(keep, 2))
+    span = PrefillSpan(2, 12, None, None, keeps=tuple((keep, 2 + i) for i, keep in enumerate(keeps)))
     meta = AttentionMetadata([], [], None, prefills=[span], state_slots=torch.tensor([0]))
-    ssm = torch.stack([state, torch.zeros_like(state), torch.zeros_like(state)])
+    ssm = torch.stack([state, *(torch.zeros_like(state),) * 3])
     out = rule_over_step(*(rows(x) for x in (q, k, v, g, beta)), ssm, meta)
     part = lambda x, a, b: x[:, a:b]  # noqa: E731
-    _, at_keep = delta_rule_chunked(*(part(x, 2, 2 + keep) for x in (q, k, v, g, beta)), state)
+    for i, keep in enumerate(keeps):
+        _, at_keep = delta_rule_chunked(*(part(x, 2, 2 + keep) for x in (q, k, v, g, beta)), state)
+        torch.testing.assert_close(ssm[2 + i], at_keep, atol=1e-5, rtol=1e-5)
     whole, end = delta_rule_chunked(*(part(x, 2, 12) for x in (q, k, v, g, beta)), state)
-    torch.testing.assert_close(ssm[2], at_keep, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ssm[0], end, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[2:12], whole.transpose(0, 1), atol=1e-5, rtol=1e-5)
 
     x = torch.randn(12, 6)
     taps = torch.randn(6, 4)
-    conv_state = torch.randn(3, 6, 3)
+    conv_state = torch.randn(4, 6, 3)
     before = conv_state[0].clone()
     plain = causal_conv(x, taps, None, conv_state.clone(), dataclasses.replace(meta, prefills=[
         PrefillSpan(2, 12, None, None)]))
     got = causal_conv(x, taps, None, conv_state, meta)
     torch.testing.assert_close(got[2:12], plain[2:12])
     inputs = torch.cat((before, x[2:12].T), dim=-1)  # 3 earlier inputs, then the chunk's
-    torch.testing.assert_close(conv_state[2], inputs[:, keep : keep + 3])
+    for i, keep in enumerate(keeps):
+        torch.testing.assert_close(conv_state[2 + i], inputs[:, keep : keep + 3])
     torch.testing.assert_close(conv_state[0], inputs[:, -3:])
 
 

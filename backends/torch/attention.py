@@ -41,9 +41,10 @@ class PrefillSpan:
     slots: torch.Tensor  # [context] slot of every key the chunk attends to, in position order
     mask: torch.Tensor | None  # [chunk, context] True = attend; None = plain causal (no prefix)
     window_mask: torch.Tensor | None = None  # the same for sliding-window layers
-    # Models with per-sequence states, the prefix cache keeping one (state.StateCache): the
-    # state after the chunk's first ``keep[0]`` tokens is copied to state slot ``keep[1]``.
-    keep: tuple[int, int] | None = None
+    # Models with per-sequence states, the prefix cache keeping some (state.StateCache): for each
+    # (tokens, slot), in order of tokens, the state after the chunk's first ``tokens`` tokens is
+    # copied to state slot ``slot``.
+    keeps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)

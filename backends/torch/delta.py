@@ -199,19 +199,16 @@ def rule_over_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     for j, span in enumerate(meta.prefills):
         slot = slots[d + j : d + j + 1]
         state = ssm.index_select(0, slot)[0]
-        # A state kept inside the chunk (the prefix cache's): the rule runs to it, then on.
-        ends = (span.end,)
-        if span.keep is not None and span.keep[0] < span.end - span.start:
-            ends = (span.start + span.keep[0], span.end)
+        # States kept inside the chunk (the prefix cache's): the rule runs to each, then on.
         start = span.start
-        for end in ends:
-            if end > start:
-                t = lambda x: x[start:end].transpose(0, 1) if x is not None else None  # noqa: E731 - [heads, tokens, ...]
-                chunk_out, state = delta_rule_chunked(t(q), t(k), t(v), t(g), t(beta), state)
-                out[start:end] = chunk_out.transpose(0, 1)
-            if span.keep is not None and end == span.start + span.keep[0]:
-                ssm[span.keep[1]] = state
+        for end in sorted({span.start + tokens for tokens, _ in span.keeps} | {span.end}):
+            t = lambda x: x[start:end].transpose(0, 1) if x is not None else None  # noqa: E731 - [heads, tokens, ...]
+            chunk_out, state = delta_rule_chunked(t(q), t(k), t(v), t(g), t(beta), state)
+            out[start:end] = chunk_out.transpose(0, 1)
             start = end
+            for tokens, target in span.keeps:
+                if span.start + tokens == end:
+                    ssm[target] = state
         ssm.index_copy_(0, slot, state[None])
     return out
 

@@ -121,20 +121,23 @@ class ModelRunner:
         return as_tensor(rows.ids), positions, meta, as_tensor(rows.out_rows)
 
     def _keep_states(self, chunks: list[Scheduled], meta: AttentionMetadata) -> None:
-        """The state each prompt chunk keeps at the last block boundary inside it (state.kept_boundary),
-        placed in the prefix cache's slots for the layers to copy there as they pass it."""
+        """The states each prompt chunk keeps: at the last block boundary inside it
+        (state.kept_boundary), and at the end of the blocks it shares with an earlier prompt
+        (Sequence.shared_boundary); placed in the prefix cache's slots for the layers to copy
+        there as they pass them."""
         bs, kept = self.kv.block_size, []
         for j, w in enumerate(chunks):
             seq = w.seq
-            at = kept_boundary(seq.num_computed, seq.num_computed + w.num_new, len(seq.tokens), bs)
-            if at is not None:
-                kept.append((j, seq, at))
+            start, end = seq.num_computed, seq.num_computed + w.num_new
+            last = kept_boundary(start, end, len(seq.tokens), bs)
+            shared = seq.shared_boundary if seq.shared_boundary is not None and start < seq.shared_boundary <= end else None
+            kept.extend((j, seq, at) for at in sorted({last, shared} - {None}))
         saves = [self._kept_hash(seq, at) for _, seq, at in kept]
         targets = self.state_cache.place(saves)
         for (j, seq, at), (block_hash, _), target in zip(kept, saves, targets):
             self._owned(seq, at, block_hash, target)
             if target is not None:
-                meta.prefills[j].keep = (at - seq.num_computed, target)
+                meta.prefills[j].keeps += ((at - seq.num_computed, target),)
                 self._placed.append(block_hash)
 
     @staticmethod

@@ -44,6 +44,9 @@ class Sequence:
         self.num_computed = 0  # tokens whose keys and values are in the cache
         self.state_slot: int | None = None  # linear attention's state (state.py), while running
         self.restore_from: int | None = None  # a cached state to start from (state.StateCache), until copied
+        # Where its prompt's cached blocks ended past the state it starts from (another prompt shares
+        # them): its state is kept there too, for the next prompt sharing them (take_prefix_hits).
+        self.shared_boundary: int | None = None
         self.output_state: int | None = None  # the block hash of its latest state kept past the prompt
         self.block_table: list[int] = []
         self._hashes: list[int] = []  # chain hash of each full block of `tokens`
@@ -110,7 +113,10 @@ class Sequence:
         At least one token is left to compute, so there are logits to sample from; and no
         position whose logits still score the prompt (prompt logprobs) is skipped. With
         per-sequence states (``states``), the prefix ends where a cached state does too: the
-        sequence starts from that state (:attr:`restore_from`).
+        sequence starts from that state (:attr:`restore_from`). Cached blocks past that state
+        mean an earlier prompt shares them (a system prompt, say, whose state was kept only
+        where that prompt's chunks ended): :attr:`shared_boundary` asks for the state at their
+        end to be kept as this prompt passes it, so that the next prompt sharing them starts there.
         """
         bs = self.block_size
         limit = (len(self.tokens) - 1) // bs
@@ -120,9 +126,11 @@ class Sequence:
         while len(found) < limit and (block := pool.lookup(self.block_hash(len(found)))) is not None:
             found.append(block)
         if states is not None:
+            shared = len(found) * bs
             while found and (restore := states.lookup(self.block_hash(len(found) - 1))) is None:
                 found.pop()
             self.restore_from = restore if found else None
+            self.shared_boundary = shared if len(found) * bs < shared <= self.num_prompt else None
         for block in found:
             pool.share(block)
         self.block_table.extend(found)
@@ -160,6 +168,6 @@ class Sequence:
             pool.release(block)
         self.block_table = []
         self.num_computed = 0
-        self.restore_from = None
+        self.restore_from = self.shared_boundary = None
         self._registered = 0
         self.draft_valid, self.draft_tail = 0, []

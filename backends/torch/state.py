@@ -11,7 +11,9 @@ A block's tokens say nothing about the state before them, so the prefix cache ne
 themselves: :class:`StateCache` keeps copies of states at block boundaries that sequences'
 steps pass (in the slots after the running ones), by the chain hash of the block ending there.
 A later sequence with the same prefix starts from the copy at the deepest such boundary whose
-blocks are still cached.
+blocks are still cached. Which boundaries: the last one each prompt chunk passes, the latest one
+a generating sequence reached, and where blocks an earlier prompt shares end (the second prompt
+with a system prompt keeps the state at its end, and those after it start there).
 """
 
 from __future__ import annotations
@@ -101,9 +103,11 @@ class StateCache:
     sequences' slots); the least recently used copy gives way to a new one. The scheduler looks
     copies up as it admits a sequence (:meth:`lookup`); the runner copies the one found into the
     sequence's slot before the step computes it (:meth:`restore`). A prompt chunk keeps the
-    state at the last block boundary inside it (:func:`kept_boundary`): the runner places it
-    before the step (:meth:`place`) and the layers copy it there as they pass it
-    (:attr:`.attention.PrefillSpan.keep`); after a step the runner saves the states of decoding
+    state at the last block boundary inside it (:func:`kept_boundary`), and at the end of the
+    cached blocks it shares with an earlier prompt (:attr:`.sequence.Sequence.shared_boundary`:
+    where a shared system prompt's blocks end, seen the second time): the runner places them
+    before the step (:meth:`place`) and the layers copy them there as they pass them
+    (:attr:`.attention.PrefillSpan.keeps`); after a step the runner saves the states of decoding
     sequences whose computed tokens end a block (:meth:`save`)."""
 
     def __init__(self, states: RecurrentState, first: int, count: int, device: torch.device) -> None:
@@ -214,8 +218,7 @@ def causal_conv(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None, 
         inputs = torch.cat((conv_state.index_select(0, slot)[0], x[span.start : span.end].T.to(conv_state.dtype)),
                            dim=-1)  # [channels, kernel - 1 + tokens]
         conv_state.index_copy_(0, slot, inputs[None, :, inputs.shape[1] - (kernel - 1) :])
-        if span.keep is not None:  # the inputs before the kept state's position (the prefix cache's)
-            tokens, target = span.keep
+        for tokens, target in span.keeps:  # the inputs before each kept state's position (the prefix cache's)
             conv_state[target] = inputs[:, tokens : tokens + kernel - 1]
         conv = F.conv1d(inputs.float()[None], taps[:, None, :], bias, groups=taps.shape[0])[0]
         out[span.start : span.end] = F.silu(conv.to(x.dtype)).T

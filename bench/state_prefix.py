@@ -1,4 +1,4 @@
-"""Models with per-sequence states (Qwen3.5, Qwen3-Next, Granite 4's hybrids, Bamba, Nemotron-H): what
+"""Models with per-sequence states (Qwen3.5, Qwen3-Next, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1): what
 the prefix cache's kept states save a chat.
 
 A chat of several turns, each prompt the previous one, its answer and a new message, runs

@@ -41,12 +41,12 @@ def test_float32_on_cuda_matches_transformers_on_the_cpu(tmp_path, arch, graphs)
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "granitemoe", "olmoe", "glm4_moe", "dots1",
                                   "ernie4_5_moe", "minimax_m2", "granitemoeshared", "granite4-moe", "deepseek_v2",
                                   "deepseek_v2-groups", "deepseek_v3", "glm4_moe_lite", "lfm2", "qwen3_next",
-                                  "qwen3_5-mm", "granite4-hybrid-moe"])
+                                  "qwen3_5-mm", "granite4-hybrid-moe", "falcon_h1"])
 def test_models_without_decode_graphs_run_eagerly_on_cuda_and_match_transformers(tmp_path, arch):
     # Routing reads each expert's row count back to the host, which no graph can hold: with
     # cuda_graphs on, a MoE model's decode steps still run eagerly; LFM2's too (the static
     # path builds no convolution windows), and those with per-sequence states (Qwen3-Next, Qwen3.5,
-    # Granite 4's hybrids, Bamba, Nemotron-H).
+    # Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1).
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, device="cuda", dtype="float32", block_size=4, max_batched_tokens=16, max_num_seqs=16)
     try:

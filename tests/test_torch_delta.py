@@ -29,8 +29,9 @@ from test_torch_gemma import assert_prompt_logprobs_match_transformers, packed_t
 from torch_models import assert_built_with_config_refused, hf_greedy, tiny_checkpoint, write_lora
 
 ARCHS = ["qwen3_next", "qwen3_5-mm", "qwen3_5_moe-mm", "granite4-hybrid", "granite4-hybrid-moe", "bamba", "nemotron_h",
-         "nemotron_h-moe"]
-"""Every model with per-sequence states: Gated DeltaNet's and Mamba2's (Granite 4's hybrids, Bamba, Nemotron-H)."""
+         "nemotron_h-moe", "falcon_h1", "falcon_h1-norm"]
+"""Every model with per-sequence states: Gated DeltaNet's and Mamba2's (Granite 4's hybrids, Bamba, Nemotron-H,
+Falcon-H1)."""
 
 
 @pytest.fixture(scope="module", params=ARCHS)

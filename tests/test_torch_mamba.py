@@ -1,4 +1,4 @@
-"""Granite 4's hybrids and Nemotron-H: Mamba2 layers beside attention, each sequence's state in a slot of its own
+"""Granite 4's hybrids, Nemotron-H and Falcon-H1: Mamba2 layers beside attention, each sequence's state in a slot of its own
 (:mod:`backends.torch.mamba`, :mod:`backends.torch.state`). The rule without its correction
 against the token-by-token one, the states' layout, the spec and what is refused; greedy output,
 prompt logprobs, preemption and cancelling are test_torch_delta.py's, for every model with
@@ -14,6 +14,7 @@ import torch
 from backends.torch.delta import delta_rule_chunked, delta_rule_step
 from backends.torch.mamba import MambaShape
 from backends.torch.model import CausalLM, ModelError, ModelSpec
+from backends.torch.weights import scaled_rows
 from router.engine import EngineRequest, SamplingParams
 from test_torch_delta import _random_rule_inputs
 from test_torch_engine import generate, random_prompts, run, small_steps_engine
@@ -194,3 +195,89 @@ def test_what_nemotron_h_configs_are_refused_for(changes, message):
 def test_nemotron_int8_runs_as_torch_operations(nemotron):
     """Its ungated experts and MLPs packed too: near the float engine (measured 0.01)."""
     assert packed_torch_path_distance(nemotron, "int8") < 0.1
+
+
+@pytest.fixture(scope="module")
+def falcon(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("falcon") / "falcon_h1", "falcon_h1")
+
+
+def test_falcon_h1_layers_keep_keys_and_values_and_a_state_each(falcon):
+    """Every Falcon-H1 layer runs attention and a Mamba2 mixer side by side: the cache holds
+    both layers' keys and values (2 heads of 24), the states both layers' (3 taps of 160
+    channels: 96 of x and 2 x 2 x 16 of B and C)."""
+    engine = small_steps_engine(falcon, max_num_seqs=2)
+    try:
+        assert [tuple(k.shape[1:]) for k in engine.kv.k] == [(2, 24), (2, 24)]
+        assert [tuple(c.shape[1:]) for c in engine.states.conv] == [(160, 3), (160, 3)]
+        assert [layer.mamba is not None and layer.self_attn.rotates for layer in engine.model.layers] == [True, True]
+    finally:
+        run(engine.stop())
+
+
+def _falcon(**changes):
+    base = dict(model_type="falcon_h1", vocab_size=100, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=4096,
+                rms_norm_eps=1e-5, rope_theta=1e11, tie_word_embeddings=False, hidden_act="silu",
+                attention_bias=False, mlp_bias=False, mamba_d_ssm=96, mamba_n_heads=4, mamba_d_head=24,
+                mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
+                mamba_proj_bias=False, mamba_rms_norm=False, mamba_norm_before_gate=True, projectors_bias=False,
+                time_step_limit=(0.0, float("inf")), embedding_multiplier=1.0, lm_head_multiplier=1.0,
+                mlp_multipliers=[1.0, 1.0], key_multiplier=1.0, attention_in_multiplier=1.0,
+                attention_out_multiplier=1.0, ssm_multipliers=[1.0] * 5, ssm_in_multiplier=1.0, ssm_out_multiplier=1.0)
+    return SimpleNamespace(**{**base, **changes})
+
+
+def test_falcon_h1_specs():
+    s = ModelSpec.from_hf_config(_falcon())
+    assert s.parallel_mamba and s.linear_layers == (0, 1, 2) and s.block_kinds == () and s.recurrence is s.mamba
+    assert [s.kv_entry(i)["kv_heads"] for i in range(3)] == [2, 2, 2] and s.head_dim == 24
+    # the width mamba_d_ssm (not mamba_expand * hidden_size); no norm; out_proj's bias by projectors_bias
+    assert s.mamba == MambaShape(4, 24, 2, 16, 4, True, False, gate_norm=None, out_bias=False)
+    assert s.weight_scales == () and s.embed_scale is None and s.logit_scale is None  # every multiplier 1
+    normed = ModelSpec.from_hf_config(_falcon(mamba_rms_norm=True, projectors_bias=True, mamba_d_ssm=None,
+                                              mamba_d_head="auto", mamba_n_heads=8))
+    assert normed.mamba.gate_norm == "before_gate" and normed.mamba.has_out_bias and normed.mamba.inner == 128
+    after = ModelSpec.from_hf_config(_falcon(mamba_rms_norm=True, mamba_norm_before_gate=False))
+    assert after.mamba.gate_norm == "after_gate" and not after.mamba.has_out_bias
+    scaled = ModelSpec.from_hf_config(_falcon(
+        embedding_multiplier=5.5, lm_head_multiplier=0.04, mlp_multipliers=[0.9, 0.6], key_multiplier=0.4,
+        attention_in_multiplier=1.0, attention_out_multiplier=0.9, ssm_multipliers=[0.35, 0.25, 0.5, 1.0, 0.3],
+        ssm_in_multiplier=2.0, ssm_out_multiplier=0.25))
+    assert scaled.embed_scale == 5.5 and scaled.logit_scale == 0.04
+    assert dict(scaled.weight_scales) == {
+        "self_attn.k_proj.weight": ((-1, 0.4),), "self_attn.k_proj.bias": ((-1, 0.4),),
+        "self_attn.o_proj.weight": ((-1, 0.9),), "self_attn.o_proj.bias": ((-1, 0.9),),
+        # z, x, B, C, the time steps; the input's factor on the weight's rows only
+        "mamba.in_proj.weight": ((96, 0.7), (96, 0.5), (32, 1.0), (32, 2.0), (-1, 0.6)),
+        "mamba.in_proj.bias": ((96, 0.35), (96, 0.25), (32, 0.5), (32, 1.0), (-1, 0.3)),
+        "mamba.out_proj.weight": ((-1, 0.25),), "mamba.out_proj.bias": ((-1, 0.25),),
+        "mlp.gate_proj.weight": ((-1, 0.9),), "mlp.gate_proj.bias": ((-1, 0.9),),
+        "mlp.down_proj.weight": ((-1, 0.6),), "mlp.down_proj.bias": ((-1, 0.6),)}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"mamba_d_head": 16}, r"mamba_d_head 16 times mamba_n_heads 4 must be the Mamba layers' width, 96 \(mamba_d_ssm"),
+    ({"mamba_d_ssm": 0}, "mamba_d_ssm 0 must be a positive integer"),
+    ({"mamba_n_groups": 3}, "mamba_n_heads 4 must be a multiple of mamba_n_groups 3"),
+    ({"ssm_multipliers": [1.0] * 4}, r"ssm_multipliers \[1.0, 1.0, 1.0, 1.0\] must be a list of 5 numbers"),
+    ({"mlp_multipliers": [1.0, "x"]}, "mlp_multipliers .* must be a list of 2 numbers"),
+    ({"key_multiplier": -1.0}, "key_multiplier -1.0 must be a positive number"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act `gelu_pytorch_tanh`: Falcon-H1's Mamba layers are supported with"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "an FP8 Falcon-H1 checkpoint"),
+])
+def test_what_falcon_h1_configs_are_refused_for(changes, message):
+    with pytest.raises(ModelError, match=message):
+        ModelSpec.from_hf_config(_falcon(**changes))
+
+
+def test_rows_scale_by_section():
+    weight = torch.ones(7, 2, dtype=torch.bfloat16)
+    scaled = scaled_rows(weight, ((2, 0.5), (1, 3.0), (-1, 0.25)))
+    assert scaled.dtype == torch.float32 and scaled[:, 0].tolist() == [0.5, 0.5, 3.0, 0.25, 0.25, 0.25, 0.25]
+    assert scaled_rows(torch.ones(3), ((-1, 2.0),)).tolist() == [2.0, 2.0, 2.0]  # a bias
+
+
+def test_falcon_h1_int8_runs_as_torch_operations(falcon):
+    """Its multipliers folded into the weights before they are packed: near the float engine."""
+    assert packed_torch_path_distance(falcon, "int8") < 0.1

@@ -243,6 +243,20 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = BambaConfig(**{**common, "intermediate_size": 48, "num_hidden_layers": 4}, pad_token_id=0,
                              attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=32,
                              mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=32, time_step_limit=(0.0, float("inf")))
+    elif arch in ("falcon_h1", "falcon_h1-norm"):  # Falcon-H1: a Mamba2 mixer (4 heads of 24, mamba_d_ssm 96 apart
+        # from mamba_expand * hidden_size, 2 groups of B and C of 16) beside attention (heads of 24) in every layer,
+        # every muP multiplier away from 1; "-norm": the gated norm before the gate, biases on every projection
+        from transformers import FalconH1Config
+
+        norm = arch == "falcon_h1-norm"
+        config = FalconH1Config(**{**common, "intermediate_size": 48}, head_dim=24, pad_token_id=0, mamba_d_ssm=96,
+                                mamba_n_heads=4, mamba_d_head=24, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                                mamba_chunk_size=32, mamba_rms_norm=norm, mamba_norm_before_gate=True,
+                                mamba_proj_bias=norm, projectors_bias=norm, attention_bias=norm, mlp_bias=norm,
+                                embedding_multiplier=2.0, lm_head_multiplier=0.5, mlp_multipliers=[0.8, 0.6],
+                                key_multiplier=0.4, attention_in_multiplier=1.1, attention_out_multiplier=0.9,
+                                ssm_multipliers=[0.35, 0.25, 0.5, 0.4, 0.3], ssm_in_multiplier=1.25,
+                                ssm_out_multiplier=0.25, rope_parameters={"rope_type": "default", "rope_theta": 1e5})
     elif arch in ("nemotron_h", "nemotron_h-moe"):  # Nemotron-H: one kind a block (Mamba2 with 4 heads of 32 over 2
         # groups of 16, attention without rotary, squared-ReLU MLPs; experts: 2 of 4 by biased sigmoid scores, scaled
         # by 2.5, and a shared one)

@@ -101,7 +101,7 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
     if spec.conv_layers:
         return "short convolutions (LFM2)"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
-        return "linear attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's hybrids, Bamba, Nemotron-H)"
+        return "linear attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)"
     if spec.qk_norm_after_rotary:
         return "query and key norms after the rotary (Hunyuan)"
     if spec.activation == "xielu":

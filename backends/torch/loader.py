@@ -190,6 +190,10 @@ def load_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(spec, _safetensors_weights(path, rename), HFTokenizer(hf_tok, eos), template)
 
 
+_BAMBA_NAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                ("model.final_layernorm.", "model.norm."))
+"""Bamba's and Falcon-H1's MLPs, their input norms and the final norm (their Mamba2 layers: ``mamba.``)."""
+
 _RENAMED = {
     # LFM2: its norms, o_proj, q/k norms, MLP and final norm (its conv layers keep their names)
     "lfm2": ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
@@ -203,9 +207,8 @@ _RENAMED = {
     # is named by its kind when the model loads: model._name_blocks)
     "nemotron_h": (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
                    ("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm.")),
-    # Bamba: its MLPs, their input norms and the final norm (its Mamba2 layers are Granite 4's, `mamba.`)
-    "bamba": ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
-              ("model.final_layernorm.", "model.norm.")),
+    "bamba": _BAMBA_NAMES,
+    "falcon_h1": _BAMBA_NAMES,
     # Apertus: its blocks' input norms
     "apertus": ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm.")),
 }

@@ -1,4 +1,4 @@
-"""Mamba2 layers (Granite 4's hybrid models, Bamba, Nemotron-H), over per-sequence state.
+"""Mamba2 layers (Granite 4's hybrid models, Bamba, Nemotron-H, Falcon-H1), over per-sequence state.
 
 A Mamba2 mixer projects each token to a gate ``z``, the convolution's input (``x`` of
 ``heads x head_dim``, and ``B``, ``C`` of ``groups x state_size``, each group serving
@@ -12,7 +12,8 @@ a decoded one's, as the reference implementations do). That is the delta rule of
 decayed linear attention with ``C`` for queries, ``B`` for keys and ``dt x`` for values, which
 is how it runs here (:func:`.delta.rule_over_step` with no ``beta``; transformers' chunked scan
 is the same sums). The output is gated by ``silu(z)``,
-normalised over each group of ``head_dim * heads / groups`` channels and projected back.
+normalised over each group of ``head_dim * heads / groups`` channels and projected back
+(Falcon-H1: normalised before the gate, or not at all, as its config says).
 
 The states live in :class:`.state.RecurrentState` as linear attention's do, with everything
 that follows from that (the prefix cache keeping states at block boundaries, no drafts or
@@ -21,6 +22,7 @@ CUDA graphs).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,11 +47,20 @@ class MambaShape:
     conv_bias: bool
     proj_bias: bool
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # Where the output's norm comes: "after_gate" (norm(y * silu(z)), Granite's), "before_gate"
+    # (norm(y) * silu(z)) or None (y * silu(z), no norm): Falcon-H1's mamba_rms_norm and
+    # mamba_norm_before_gate.
+    gate_norm: str | None = "after_gate"
+    out_bias: bool | None = None  # out_proj's bias; None: as in_proj's (Falcon-H1: projectors_bias)
 
     @property
     def inner(self) -> int:
         """The width of ``x`` (and of ``z``, and of the output before its projection)."""
         return self.heads * self.head_dim
+
+    @property
+    def has_out_bias(self) -> bool:
+        return self.proj_bias if self.out_bias is None else self.out_bias
 
     @property
     def conv_size(self) -> int:
@@ -91,6 +102,30 @@ class MambaShape:
                             _time_step_limit(cfg, error))
 
     @classmethod
+    def of_falcon_h1(cls, cfg: Any, error: Callable[[str], Exception]) -> "MambaShape":
+        """From a Falcon-H1 config: Granite 4's ``mamba_*`` keys, the inner width
+        ``mamba_d_ssm`` where given (else ``mamba_expand * hidden_size``), the output's norm by
+        ``mamba_rms_norm`` and ``mamba_norm_before_gate``, out_proj's bias by ``projectors_bias``."""
+        heads, groups, state, kernel = positive_ints(cfg, error, "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
+                                                     "mamba_d_conv")
+        if getattr(cfg, "mamba_d_ssm", None) is not None:
+            inner = positive_ints(cfg, error, "mamba_d_ssm")[0]
+        else:
+            inner = positive_ints(cfg, error, "mamba_expand")[0] * cfg.hidden_size
+        head_dim = getattr(cfg, "mamba_d_head", "auto")
+        if head_dim == "auto":
+            head_dim = inner // heads
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim * heads != inner:
+            raise error(f"mamba_d_head {head_dim!r} times mamba_n_heads {heads} must be the Mamba layers' width, {inner} "
+                        "(mamba_d_ssm, else mamba_expand * hidden_size)")
+        norm = ("before_gate" if getattr(cfg, "mamba_norm_before_gate", True) else "after_gate") \
+            if getattr(cfg, "mamba_rms_norm", False) else None
+        shape = cls._grouped(error, "mamba_n_heads", "mamba_n_groups", heads, head_dim, groups, state, kernel,
+                             bool(getattr(cfg, "mamba_conv_bias", True)), bool(getattr(cfg, "mamba_proj_bias", False)),
+                             _time_step_limit(cfg, error))
+        return dataclasses.replace(shape, gate_norm=norm, out_bias=bool(getattr(cfg, "projectors_bias", False)))
+
+    @classmethod
     def _grouped(cls, error: Callable[[str], Exception], heads_key: str, groups_key: str, heads: int,
                  *rest: Any) -> "MambaShape":
         """The shape, refused where the groups of B and C do not split the heads evenly."""
@@ -125,8 +160,8 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(shape.heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(shape.heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(shape.heads), requires_grad=False)
-        self.norm_weight = nn.Parameter(torch.empty(shape.inner), requires_grad=False)
-        self.out_proj = nn.Linear(shape.inner, hidden_size, bias=shape.proj_bias)
+        self.norm_weight = nn.Parameter(torch.empty(shape.inner), requires_grad=False) if shape.gate_norm else None
+        self.out_proj = nn.Linear(shape.inner, hidden_size, bias=shape.has_out_bias)
 
     def forward(self, x: torch.Tensor, rope: object, meta: AttentionMetadata, q_scale: object = None) -> torch.Tensor:
         n, s = x.shape[0], self.shape
@@ -147,11 +182,16 @@ class Mamba2Mixer(nn.Module):
         dt = dt.float()
         g = dt * -self.A_log.float().exp()
         out = rule_over_step(c, b, u * dt[..., None], g, None, meta.states.ssm[self.layer], meta)
-        y = (out + u * self.D.float()[:, None]).view(n, s.inner) * F.silu(z.float())
-        # Normalised over each group's channels in float32, scaled, as transformers' gated norm.
-        grouped = y.view(n, s.groups, -1)
-        y = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).view(n, s.inner)
-        return self.out_proj((self.norm_weight * y).to(x.dtype))
+        y = (out + u * self.D.float()[:, None]).view(n, s.inner)
+        if s.gate_norm != "before_gate":
+            y = y * F.silu(z.float())
+        if s.gate_norm is not None:
+            # Normalised over each group's channels in float32, scaled, as transformers' gated norm.
+            grouped = y.view(n, s.groups, -1)
+            y = self.norm_weight * (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).view(n, s.inner)
+        if s.gate_norm == "before_gate":
+            y = y * F.silu(z.float())
+        return self.out_proj(y.to(x.dtype))
 
     def load(self, prefix: str, weights) -> None:
         """The layer's weights (``prefix``: ``layers.N.mamba.``)."""
@@ -163,8 +203,10 @@ class Mamba2Mixer(nn.Module):
             weights.copy(self.conv_bias, prefix + "conv1d.bias")
         if s.proj_bias:
             weights.copy(self.in_proj.bias, prefix + "in_proj.bias")
+        if s.has_out_bias:
             weights.copy(self.out_proj.bias, prefix + "out_proj.bias")
         for name in ("dt_bias", "A_log", "D"):
             weights.copy(getattr(self, name), prefix + name)
-        weights.copy(self.norm_weight, prefix + "norm.weight")
+        if self.norm_weight is not None:
+            weights.copy(self.norm_weight, prefix + "norm.weight")
         weights.copy(self.out_proj.weight, prefix + "out_proj.weight")

@@ -4,7 +4,8 @@ Apertus, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE,
 Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next and Qwen3.5 with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
-Nemotron-H with Mamba2 layers (:mod:`.mamba`)) as plain torch modules.
+Nemotron-H with Mamba2 layers (:mod:`.mamba`), Falcon-H1 with a Mamba2 mixer beside every attention) as plain
+torch modules.
 
 RMSNorm, rotary embeddings with the config's scaling (linear, dynamic NTK, Llama 3, YaRN,
 LongRoPE) on all or the first part of each head (``partial_rotary_factor``), grouped-query
@@ -42,7 +43,7 @@ from .delta import DeltaShape, GatedDeltaNet
 from .mamba import Mamba2Mixer, MambaShape
 from .latent import LATENT_NORM_EPS, LatentAttention, LatentShape, latent_scale
 from .moe import SparseMoE
-from .weights import WeightReader, load_fused_mlp, load_mlp
+from .weights import RowScales, WeightReader, load_fused_mlp, load_mlp
 
 
 class ModelError(ValueError):
@@ -175,12 +176,21 @@ class ModelSpec:
     linear_layers: tuple[int, ...] = ()
     delta: DeltaShape | None = None
     gated_attention: bool = False
-    # Granite 4's hybrids, Bamba and Nemotron-H: their linear_layers are Mamba2 layers (:mod:`.mamba`) of this shape.
+    # Granite 4's hybrids, Bamba, Nemotron-H and Falcon-H1: their linear_layers are Mamba2 layers
+    # (:mod:`.mamba`) of this shape.
     mamba: MambaShape | None = None
     # Nemotron-H: each layer is one block of one kind, "mamba", "attention", "mlp" (ungated,
     # squared ReLU) or "moe", its input normed, its output added to the residual; empty: every
     # layer is attention (or its stand-in) then an MLP.
     block_kinds: tuple[str, ...] = ()
+    # Falcon-H1: every layer runs a Mamba2 mixer (of the shape ``mamba``) beside its attention,
+    # on the same normed input, the two outputs summed; its linear_layers (every layer) keep
+    # keys and values too.
+    parallel_mamba: bool = False
+    # Factors folded into weights as they load (Falcon-H1's muP multipliers, which transformers
+    # applies to activations): a weight's name within its layer -> its rows' factors
+    # (weights.scaled_rows).
+    weight_scales: tuple[tuple[str, RowScales], ...] = ()
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
@@ -188,7 +198,8 @@ class ModelSpec:
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
-                 "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba")
+                 "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
+                 "falcon_h1")
     IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -221,7 +232,8 @@ class ModelSpec:
         linear-attention layer."""
         if layer in self.conv_layers:
             return dict(kv_heads=1, head_dim=self.hidden_size, values_in_keys=0)
-        if layer in self.linear_layers or (self.block_kinds and self.block_kinds[layer] != "attention"):
+        if (layer in self.linear_layers and not self.parallel_mamba) or (
+                self.block_kinds and self.block_kinds[layer] != "attention"):
             # nothing a token: the layer's state is the sequence's (state.py), or it is an MLP block
             return dict(kv_heads=0, head_dim=0, values_in_keys=None)
         if self.latent is not None:
@@ -415,8 +427,13 @@ class ModelSpec:
         granite4 = model_type == "granitemoehybrid"
         if granite4 or model_type == "bamba":  # Bamba: Granite 4's hybrids' forerunner, the same Mamba2 layers
             mamba = _granite4_layers(cfg)
+        elif model_type == "falcon_h1":
+            mamba = _falcon_h1_fields(cfg)
         else:
             mamba = _nemotron_blocks(cfg) if model_type == "nemotron_h" else {}
+        falcon = model_type == "falcon_h1"
+        if falcon and quantization.get("fp8_weights"):
+            raise ModelError("an FP8 Falcon-H1 checkpoint is not supported (its multipliers fold into decoded weights)")
         olmo = model_type in ("olmo2", "olmo3")
         exaone = model_type == "exaone4"  # OLMo 2's output norms (in the model's dtype), per-head q/k norms
         if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
@@ -476,7 +493,8 @@ class ModelSpec:
             query_position_scaling=_query_position_scaling(scaling) if model_type == "ministral3" else None,
             **_experts(cfg, model_type),
             activation=cls.ACTIVATIONS[act],
-            embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier"),
+            embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier") or (
+                _multiplier(cfg, "embedding_multiplier") if falcon else None),
             embed_scale_rounded=gemma,
             offset_norms=gemma or bool(gated_delta),
             sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo or exaone,
@@ -502,7 +520,7 @@ class ModelSpec:
             latent=latent,
             centered_norms=cohere,
             parallel_blocks=cohere,
-            logit_scale=_logit_scale(cfg) if cohere else None,
+            logit_scale=_logit_scale(cfg) if cohere else _multiplier(cfg, "lm_head_multiplier") if falcon else None,
             rounded_rotary_tables=cohere,
             qk_norm_per_head=cohere_qk_norms,
             qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
@@ -653,6 +671,57 @@ def _nemotron_blocks(cfg: Any) -> dict[str, Any]:
                    dense_layers=tuple(i for i, kind in enumerate(kinds) if kind != "moe"),
                    **_groups_and_scale(cfg, experts))
     return out
+
+
+def _falcon_h1_fields(cfg: Any) -> dict[str, Any]:
+    """Falcon-H1: a Mamba2 mixer beside the attention in every layer, and its muP multipliers,
+    which scale activations in transformers, folded into the weights they meet first (each is
+    linear): the attention's input into q, k and v, ``key_multiplier`` into k, its output into
+    o; the Mamba mixer's input into in_proj, ``ssm_multipliers`` into in_proj's sections (z, x,
+    B, C, the time steps, as transformers' mup_vector), its output into out_proj; the MLP's
+    gate and down multipliers into gate_proj and down_proj. Biases take the factors that apply
+    after them, not the input's."""
+    if getattr(cfg, "hidden_act", "silu") != "silu":  # transformers' Mamba layers convolve with it too
+        raise ModelError(f"hidden_act `{cfg.hidden_act}`: Falcon-H1's Mamba layers are supported with `silu` only")
+    shape = MambaShape.of_falcon_h1(cfg, ModelError)
+    attn_in, key, attn_out, ssm_in, ssm_out = (
+        _multiplier(cfg, name) or 1.0 for name in ("attention_in_multiplier", "key_multiplier", "attention_out_multiplier",
+                                                   "ssm_in_multiplier", "ssm_out_multiplier"))
+    gate, down = _multipliers(cfg, "mlp_multipliers", 2)
+    ssm = _multipliers(cfg, "ssm_multipliers", 5)
+    state = shape.groups * shape.state_size
+    sections = (shape.inner, shape.inner, state, state, -1)
+    scales = {"self_attn.q_proj.weight": ((-1, attn_in),), "self_attn.k_proj.weight": ((-1, attn_in * key),),
+              "self_attn.k_proj.bias": ((-1, key),), "self_attn.v_proj.weight": ((-1, attn_in),),
+              "self_attn.o_proj.weight": ((-1, attn_out),), "self_attn.o_proj.bias": ((-1, attn_out),),
+              "mamba.in_proj.weight": tuple((rows, f * ssm_in) for rows, f in zip(sections, ssm)),
+              "mamba.in_proj.bias": tuple(zip(sections, ssm)),
+              "mamba.out_proj.weight": ((-1, ssm_out),), "mamba.out_proj.bias": ((-1, ssm_out),),
+              "mlp.gate_proj.weight": ((-1, gate),), "mlp.gate_proj.bias": ((-1, gate),),
+              "mlp.down_proj.weight": ((-1, down),), "mlp.down_proj.bias": ((-1, down),)}
+    return dict(linear_layers=tuple(range(cfg.num_hidden_layers)), mamba=shape, parallel_mamba=True,
+                weight_scales=tuple((name, rows) for name, rows in scales.items() if any(f != 1.0 for _, f in rows)))
+
+
+def _multiplier(cfg: Any, key: str) -> float | None:
+    """A positive factor of the config; None where it is absent or 1 (no change)."""
+    value = getattr(cfg, key, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelError(f"{key} {value!r} must be a positive number")
+    return float(value) if value != 1.0 else None
+
+
+def _multipliers(cfg: Any, key: str, count: int) -> list[float]:
+    """A list of ``count`` factors of the config (all 1 where it is absent)."""
+    values = getattr(cfg, key, None)
+    if values is None:
+        return [1.0] * count
+    if not isinstance(values, (list, tuple)) or len(values) != count or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+        raise ModelError(f"{key} {values!r} must be a list of {count} numbers")
+    return [float(v) for v in values]
 
 
 def _granite_multipliers(cfg: Any) -> dict[str, float]:
@@ -1267,7 +1336,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Norm, attention, residual add; norm, MLP, residual add. Gemma 2/3 also normalise each
     block's output before its add (``attn_out_norm``, ``mlp_out_norm``), OLMo 2/3 do instead of
-    normalising its input; Granite scales it (``residual_scale``)."""
+    normalising its input; Granite scales it (``residual_scale``); Falcon-H1 adds a Mamba2
+    mixer's output to the attention's (``mamba``)."""
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
@@ -1276,10 +1346,14 @@ class DecoderLayer(nn.Module):
         self.self_attn: Attention | LatentAttention | ShortConv | GatedDeltaNet | Mamba2Mixer | None
         self.mlp: MLP | SparseMoE | XieluMLP | PlainMLP | None
         self.block = spec.block_kinds[layer] if spec.block_kinds else None
+        self.mamba = None  # Falcon-H1's Mamba2 mixer beside the attention
         if self.block is not None:  # Nemotron-H: one block, one kind
             self._single_block(spec, layer)
             return
-        if layer in spec.conv_layers:  # LFM2: a short convolution in attention's place
+        if spec.parallel_mamba:
+            self.self_attn = Attention(spec, layer)
+            self.mamba = Mamba2Mixer(spec.hidden_size, spec.mamba, spec.rms_norm_eps, layer)
+        elif layer in spec.conv_layers:  # LFM2: a short convolution in attention's place
             self.self_attn = ShortConv(spec.hidden_size, spec.conv_kernel, spec.conv_bias, layer)
         elif layer in spec.linear_layers and spec.mamba is not None:  # Granite 4's hybrids
             self.self_attn = Mamba2Mixer(spec.hidden_size, spec.mamba, spec.rms_norm_eps, layer)
@@ -1334,6 +1408,8 @@ class DecoderLayer(nn.Module):
         if self.block is not None:  # one block: its mixer or its MLP, added to the residual
             return x + (self.self_attn(normed, rope, meta, q_scale) if self.self_attn is not None else self.mlp(normed))
         h = self.self_attn(normed, rope, meta, q_scale)
+        if self.mamba is not None:  # Falcon-H1: both mixers from the same input, summed
+            h = self.mamba(normed, rope, meta) + h
         if self.parallel:  # Cohere: both blocks from the same input, both added to it
             return x + h + self.mlp(normed)
         x = x + self._branch(h, self.attn_out_norm)
@@ -1447,7 +1523,8 @@ class CausalLM(nn.Module):
         spec = self.spec
         if spec.block_kinds:
             _name_blocks(state, spec.block_kinds)
-        weights = WeightReader(state, ModelError, self, fp8=spec.fp8_block if spec.fp8_weights else False)
+        weights = WeightReader(state, ModelError, self, fp8=spec.fp8_block if spec.fp8_weights else False,
+                               scales=dict(spec.weight_scales))
         weights.copy(self.embed_tokens.weight, "embed_tokens.weight")
         rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
 
@@ -1473,6 +1550,8 @@ class CausalLM(nn.Module):
                 attn.load(p + "self_attn.", weights, layout)
             else:
                 self._load_attention(attn, p, weights, reorder)
+            if layer.mamba is not None:
+                layer.mamba.load(p + "mamba.", weights)
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.load(p, weights)
             elif isinstance(layer.mlp, XieluMLP):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import Callable
 
@@ -20,9 +21,11 @@ class WeightReader:
     overwritten."""
 
     def __init__(self, state: dict[str, torch.Tensor], error: Callable[[str], Exception], model: nn.Module,
-                 fp8: tuple[int, int] | None | bool = False) -> None:
+                 fp8: tuple[int, int] | None | bool = False, scales: dict[str, RowScales] | None = None) -> None:
         self.state = state
         self.error = error
+        # Factors folded into weights as they are taken, by name within a layer (scaled_rows).
+        self.scales = scales or {}
         # FP8 weights: decoded with their scales' block (None: one scale a tensor); False: none expected.
         self.fp8 = fp8
         # Weak: a layer packed as soon as it is loaded drops its float modules (CausalLM.from_state_dict).
@@ -38,7 +41,10 @@ class WeightReader:
         for key in (name, f"model.{name}"):
             if key in self.state:
                 value = self.state.pop(key)
-                return self._fp8_decoded(key, value) if value.dtype in FP8_DTYPES else value
+                value = self._fp8_decoded(key, value) if value.dtype in FP8_DTYPES else value
+                found = re.search(r"(?:^|\.)layers\.\d+\.(.+)$", key) if self.scales else None
+                scales = self.scales.get(found.group(1)) if found else None
+                return value if scales is None else scaled_rows(value, scales)
         raise self.error(f"checkpoint has no weight `{name}`")
 
     def filters(self, name: str, channels: int, kernel: int) -> torch.Tensor:
@@ -79,6 +85,22 @@ class WeightReader:
             return
         with torch.no_grad():
             param.copy_(value)
+
+
+RowScales = tuple[tuple[int, float], ...]
+"""Factors for a weight's rows: (rows, factor) sections in turn, the last one's rows -1 (all left)."""
+
+
+def scaled_rows(value: torch.Tensor, scales: RowScales) -> torch.Tensor:
+    """``value``'s rows times their sections' factors, in float32 (the parameter's dtype is
+    rounded to once, as it is copied)."""
+    value = value.float()
+    factors, at = torch.ones(value.shape[0]), 0
+    for rows, factor in scales:
+        end = value.shape[0] if rows == -1 else at + rows
+        factors[at:end] = factor
+        at = end
+    return value * factors.view(-1, *(1,) * (value.dim() - 1))
 
 
 def load_mlp(mlp: nn.Module, prefix: str, state: WeightReader, names: tuple[str, str, str] | None = None) -> None:

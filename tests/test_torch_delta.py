@@ -70,7 +70,11 @@ def test_prompt_logprobs_match_transformers(delta, dtype, within):
     # hybrids 5e-7; Qwen3.5 0.0015 in 16-token chunks (8e-7 in one step: the chunks' sums round
     # elsewhere), Qwen3.5-MoE 0.004 (an attention layer's output a bfloat16 rounding apart).
     # These tiny Qwen3.5 models are sensitive: transformers' own bfloat16 is 0.15 and 0.58
-    # from its float32.
+    # from its float32. Falcon-H1's multipliers are folded into its weights, so its bfloat16
+    # rounds elsewhere than transformers' (which multiplies activations): 0.013 and 0.018, where
+    # transformers' own bfloat16 is 0.021 and 0.024 from its float32.
+    if dtype == torch.bfloat16 and delta.name.startswith("falcon_h1"):
+        within = 0.03
     assert_prompt_logprobs_match_transformers(delta, dtype, within)
 
 

@@ -54,7 +54,9 @@ def fp8_checkpoint(src, out, block):
     return out
 
 
-CASES = {"llama": [16, 32], "qwen3": [8, 16], "qwen3_moe": [8, 8], "ministral3": None, "deepseek_v3": [8, 8]}
+CASES = {"llama": [16, 32], "qwen3": [8, 16], "qwen3_moe": [8, 8], "ministral3": None, "deepseek_v3": [8, 8],
+         "falcon_h1": [4, 8]}
+"""Each model and its scales' block (None: one a tensor). Falcon-H1: its multipliers fold into the decoded weights."""
 
 
 @pytest.fixture(scope="module")

@@ -264,7 +264,6 @@ def test_falcon_h1_specs():
     ({"mlp_multipliers": [1.0, "x"]}, "mlp_multipliers .* must be a list of 2 numbers"),
     ({"key_multiplier": -1.0}, "key_multiplier -1.0 must be a positive number"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act `gelu_pytorch_tanh`: Falcon-H1's Mamba layers are supported with"),
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "an FP8 Falcon-H1 checkpoint"),
 ])
 def test_what_falcon_h1_configs_are_refused_for(changes, message):
     with pytest.raises(ModelError, match=message):
@@ -281,3 +280,17 @@ def test_rows_scale_by_section():
 def test_falcon_h1_int8_runs_as_torch_operations(falcon):
     """Its multipliers folded into the weights before they are packed: near the float engine."""
     assert packed_torch_path_distance(falcon, "int8") < 0.1
+
+
+def test_a_falcon_h1_checkpoint_with_fused_projections_is_refused(falcon):
+    """Its multipliers scale q, k and v (gate and up) apart, by name: a fused q/k/v would load
+    unscaled."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(falcon), local_files_only=True))
+    state = load_file(str(falcon / "model.safetensors"))
+    p = "model.layers.0.self_attn."
+    state[p + "qkv_proj.weight"] = torch.cat([state.pop(p + f"{n}_proj.weight") for n in "qkv"])
+    with pytest.raises(ModelError, match="weight `model.layers.0.self_attn.qkv_proj.weight`: a fused projection"):
+        CausalLM.from_state_dict(spec, 8, state)

@@ -253,10 +253,10 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                                 mamba_n_heads=4, mamba_d_head=24, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
                                 mamba_chunk_size=32, mamba_rms_norm=norm, mamba_norm_before_gate=True,
                                 mamba_proj_bias=norm, projectors_bias=norm, attention_bias=norm, mlp_bias=norm,
-                                embedding_multiplier=2.0, lm_head_multiplier=0.5, mlp_multipliers=[0.8, 0.6],
+                                embedding_multiplier=2.0, lm_head_multiplier=2.5, mlp_multipliers=[0.8, 0.6],
                                 key_multiplier=0.4, attention_in_multiplier=1.1, attention_out_multiplier=0.9,
                                 ssm_multipliers=[0.35, 0.25, 0.5, 0.4, 0.3], ssm_in_multiplier=1.25,
-                                ssm_out_multiplier=0.25, rope_parameters={"rope_type": "default", "rope_theta": 1e5})
+                                ssm_out_multiplier=1.5, rope_parameters={"rope_type": "default", "rope_theta": 1e5})
     elif arch in ("nemotron_h", "nemotron_h-moe"):  # Nemotron-H: one kind a block (Mamba2 with 4 heads of 32 over 2
         # groups of 16, attention without rotary, squared-ReLU MLPs; experts: 2 of 4 by biased sigmoid scores, scaled
         # by 2.5, and a shared one)
@@ -320,14 +320,16 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
         config = Cohere2Config(**common, pad_token_id=0, logit_scale=0.5, sliding_window=8,
                                layer_types=["sliding_attention", "full_attention"])
-    elif arch == "lfm2":  # LFM2: layers 0, 1 and 3 short convolutions (3 taps), layer 2 attention with per-head
-        # q/k norms; the MLP's width 2/3 of intermediate_size, rounded up to 32
+    elif arch in ("lfm2", "lfm2-bias"):  # LFM2: layers 0, 1 and 3 short convolutions (3 taps), layer 2 attention
+        # with per-head q/k norms; the MLP's width 2/3 of intermediate_size, rounded up to 32; "-bias": the conv
+        # layers' projections and filters with biases (conv_bias)
         from transformers import Lfm2Config
 
         lfm2 = {**common, "num_hidden_layers": 4, "intermediate_size": 96}
         lfm2["norm_eps"] = lfm2.pop("rms_norm_eps")
         config = Lfm2Config(**lfm2, pad_token_id=0, conv_L_cache=3, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
-                            block_auto_adjust_ff_dim=True, layer_types=["conv", "conv", "full_attention", "conv"])
+                            block_auto_adjust_ff_dim=True, layer_types=["conv", "conv", "full_attention", "conv"],
+                            conv_bias=arch == "lfm2-bias")
     elif arch in ("qwen3-vl-mm", "qwen2_5-vl-mm", "qwen3-vl-moe-mm"):  # Qwen3-VL (Qwen3's attention, interleaved multimodal rotary
         # sections; tied embeddings) and Qwen2.5-VL (Qwen2's, sections in turn; an LM head of its own), a tiny vision
         # tower never read
@@ -439,6 +441,10 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                 # layer moves logprobs by 0.02, Granite's attention multiplier by 0.009; at 0.6 by
                 # 0.9 and 0.08 (latent attention: its queries and its rotated key).
                 p.mul_(3.0)
+            if arch.startswith("falcon_h1") and name.endswith(("mamba.in_proj.weight", "mamba.out_proj.weight")):
+                p.mul_(3.0)  # Falcon-H1: the Mamba mixer as loud as the attention beside it
+            if arch.startswith("falcon_h1") and name.endswith("A_log"):
+                p.sub_(3.0)  # slow decays: a wrong or missing state shows tokens later
             if name.endswith("e_score_correction_bias"):
                 p.mul_(2.5)  # ERNIE's (a parameter): as large as the scores, so that it changes choices
             if name.endswith(".sinks"):

@@ -266,8 +266,9 @@ class TorchEngine:
     def _cached_states(spec: ModelSpec, options: EngineOptions, running_bytes: int) -> int:
         """How many states the prefix cache keeps at block boundaries (state.StateCache): two for
         each of ``max_num_seqs`` sequences (each generating sequence keeps its latest, the
-        others are prompts'), within a quarter of the KV budget the running sequences' states
-        leave. None fitting, the prefix cache is off."""
+        others are prompts': a prompt chunk keeps one or two, the second where blocks it shares
+        with an earlier prompt end), within a quarter of the KV budget the running sequences'
+        states leave. None fitting, the prefix cache is off."""
         if not options.prefix_caching:
             return 0
         per_sequence = RecurrentState.bytes_for(spec, 1, options.dtype)

@@ -432,8 +432,6 @@ class ModelSpec:
         else:
             mamba = _nemotron_blocks(cfg) if model_type == "nemotron_h" else {}
         falcon = model_type == "falcon_h1"
-        if falcon and quantization.get("fp8_weights"):
-            raise ModelError("an FP8 Falcon-H1 checkpoint is not supported (its multipliers fold into decoded weights)")
         olmo = model_type in ("olmo2", "olmo3")
         exaone = model_type == "exaone4"  # OLMo 2's output norms (in the model's dtype), per-head q/k norms
         if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
@@ -1523,8 +1521,13 @@ class CausalLM(nn.Module):
         spec = self.spec
         if spec.block_kinds:
             _name_blocks(state, spec.block_kinds)
+        scales = dict(spec.weight_scales)
+        fused = next((key for key in state if scales and key.endswith(("qkv_proj.weight", "gate_up_proj.weight"))), None)
+        if fused is not None:  # the factors are a projection's each, by its name
+            raise ModelError(f"weight `{fused}`: a fused projection in a checkpoint whose multipliers scale q, k, v, "
+                             "gate and up apart is not supported")
         weights = WeightReader(state, ModelError, self, fp8=spec.fp8_block if spec.fp8_weights else False,
-                               scales=dict(spec.weight_scales))
+                               scales=scales)
         weights.copy(self.embed_tokens.weight, "embed_tokens.weight")
         rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
 

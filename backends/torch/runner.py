@@ -131,7 +131,9 @@ class ModelRunner:
             start, end = seq.num_computed, seq.num_computed + w.num_new
             last = kept_boundary(start, end, len(seq.tokens), bs)
             shared = seq.shared_boundary if seq.shared_boundary is not None and start < seq.shared_boundary <= end else None
-            kept.extend((j, seq, at) for at in sorted({last, shared} - {None}))
+            # The shared boundary's state placed last: where the step has more to keep than the
+            # cache has slots, the copy other prompts will start from is the last to give way.
+            kept.extend((j, seq, at) for at in dict.fromkeys(at for at in (last, shared) if at is not None))
         saves = [self._kept_hash(seq, at) for _, seq, at in kept]
         targets = self.state_cache.place(saves)
         for (j, seq, at), (block_hash, _), target in zip(kept, saves, targets):

@@ -12,6 +12,7 @@ so the router serves the folder as it serves any chat model.
     .venv/bin/python bench/random_checkpoint.py --out /tmp/oss --arch gpt_oss      # the same shape as gpt-oss
     .venv/bin/python bench/random_checkpoint.py --out /tmp/gemma3 --arch gemma3   # Gemma 3 270M's layers
     .venv/bin/python bench/random_checkpoint.py --out /tmp/q35 --arch qwen3_5_text  # Gated DeltaNet, 3 in 4 layers
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/lfm2 --arch lfm2         # LFM2-350M's layers
     .venv/bin/python bench/engines.py --model /tmp/moe --skip llamacpp --levels 1,8,32
 """
 
@@ -36,11 +37,20 @@ QWEN3_5_SMALL = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads
                      linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
                      max_position_embeddings=32768)
 
+# LFM2-350M's decoder (LiquidAI/LFM2-350M's config.json, its vocabulary SmolLM2's here): 16 layers
+# of 1024, ten short convolutions (3 taps) and six attention layers (16 query heads on 8 KV heads
+# of 64), an MLP of 6656 adjusted to 4608.
+LFM2_350M = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                 intermediate_size=6656, conv_L_cache=3, block_multiple_of=256, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=True, max_position_embeddings=128000,
+                 layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)])
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
-    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3", "qwen3_5_text"], default="qwen3_moe")
+    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3", "qwen3_5_text", "lfm2"],
+                   default="qwen3_moe")
     p.add_argument("--hidden", type=int, default=1024, help="MoE: hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=12, help="MoE: decoder layers, every one sparse (default 12)")
     p.add_argument("--heads", type=int, default=16, help="MoE: query heads (default 16; 4 KV heads)")
@@ -76,6 +86,11 @@ def main() -> None:
     elif args.arch == "qwen3_5_text":
         config = AutoConfig.for_model("qwen3_5_text", **common, **QWEN3_5_SMALL)
         shape = "12 layers of 1024, every fourth full attention, the others Gated DeltaNet"
+    elif args.arch == "lfm2":
+        lfm2 = {**common, "norm_eps": common["rms_norm_eps"]}
+        del lfm2["rms_norm_eps"]
+        config = AutoConfig.for_model("lfm2", **lfm2, **LFM2_350M)
+        shape = "LFM2-350M's 16 layers, ten of them short convolutions"
     else:
         config = AutoConfig.for_model("gemma3_text", **common, **GEMMA3_270M)
         shape = "Gemma 3 270M's 18 layers"

@@ -1,7 +1,8 @@
 """LFM2: short convolution layers beside attention, their inputs kept in the paged cache a slot a
 token (:mod:`backends.torch.conv`). Greedy output and prompt logprobs against transformers (whose
 conv layers keep a recurrent state instead), what the cache does for these layers (prefix hits,
-preemption, cancelling), the windows' slots, the spec and what is refused."""
+preemption, cancelling), the windows' slots, the one-call C step against the packed torch path, the spec
+and what is refused."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from test_torch_engine import (
     generate, random_prompts, run,
 )
 from test_torch_gemma import (
-    assert_prompt_logprobs_match_transformers, distance, engine_prompt_logprobs, hf_prompt_logprobs,
-    packed_torch_path_distance,
+    assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, engine_prompt_logprobs,
+    hf_prompt_logprobs, packed_torch_path_distance,
 )
 from torch_models import assert_built_with_config_refused, gguf_of, hf_greedy, tiny_checkpoint, write_lora
 
@@ -138,10 +139,25 @@ def test_what_lfm2_configs_are_refused_for(changes, message):
         ModelSpec.from_hf_config(_config(**changes))
 
 
+@pytest.mark.parametrize("fmt,kv", [("int8", "auto"), ("int4", "auto"), ("int4", "bfloat16"), ("int8", "float16")])
+def test_c_steps_match_the_packed_torch_path(lfm2, fmt, kv):
+    """The one C call per step computes LFM2's short convolutions too (their inputs written to and
+    read from the cache in its element type, a prompt chunk's rows reading the rows before
+    them): the packed torch path's tokens, and its logprobs within 0.02."""
+    assert_c_steps_match_the_torch_path(lfm2, weight_format=fmt, kv_cache_dtype=kv)
+
+
+def test_c_steps_with_conv_biases_match_the_packed_torch_path(tmp_path):
+    """The same with biases on the conv layers' projections and filters (conv_bias), which the
+    releases leave off."""
+    assert_c_steps_match_the_torch_path(tiny_checkpoint(tmp_path / "lfm2-bias", "lfm2-bias"), weight_format="int8")
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_packed_formats_run_as_torch_operations(lfm2, fmt):
-    """The C step has no convolutions: under int8 and int4 the packed projections run as torch
-    operations, near the float engine (measured 0.002 int8, 0.02 int4)."""
+def test_packed_formats_stay_near_the_float_engine(lfm2, fmt, monkeypatch):
+    """Under int8 and int4 the packed projections (as torch operations) stay near the float
+    engine (measured 0.002 int8, 0.02 int4)."""
+    monkeypatch.setattr("backends.torch.cpu_decode.c_step_refusal", lambda spec: "nothing (the test's torch path)")
     assert packed_torch_path_distance(lfm2, fmt) < (0.05 if fmt == "int8" else 0.3)
 
 

@@ -12,7 +12,8 @@ cache gather, attention, residual adds), and even one Python call per kernel (27
     Granite: scaled) -> RMSNorm + quantize -> gate_up -> SiLU (GELU for Gemma) * up + quantize
     -> down_proj (added, the same way)
 
-(a mixture of experts' layer: ``moe_block`` in the MLP's place; gpt-oss's sinks in the attention)
+(a mixture of experts' layer: ``moe_block`` in the MLP's place; gpt-oss's sinks in the attention;
+LFM2's short convolution, ``short_conv`` between its in_proj and out_proj, in the attention's place)
 
 and the final norm and LM head for the rows that sample. Gemma's and Granite's embedding factors,
 Gemma 2's logit cap and Granite's logit divisor are applied here, around the call; Gemma's
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .conv import ShortConv
 from .kv_cache import KVCache
 from .lora import PROJECTIONS
 from .model import CausalLM
@@ -98,8 +100,6 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
         return "latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)"
     if spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head:
         return "Cohere's mean-centred norms and parallel blocks"
-    if spec.conv_layers:
-        return "short convolutions (LFM2)"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
         return "linear attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)"
     if spec.qk_norm_after_rotary:
@@ -155,7 +155,9 @@ class CpuDecoder:
         layers = (RkLayer * spec.num_layers)()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            (qkv, qkv_b), (o, o_b) = attn.qkv_proj.pointers, attn.o_proj.pointers
+            conv = isinstance(attn, ShortConv)  # LFM2: its in_proj and out_proj where q/k/v and o are
+            qkv_proj, o_proj = (attn.in_proj, attn.out_proj) if conv else (attn.qkv_proj, attn.o_proj)
+            (qkv, qkv_b), (o, o_b) = qkv_proj.pointers, o_proj.pointers
             if isinstance(mlp, SparseMoE):
                 (gu, gu_b), (down, down_b), gu_kp, down_kp = (0, None), (0, None), 0, 0
                 moe = self._experts(mlp)
@@ -168,14 +170,14 @@ class CpuDecoder:
                 eps1=_eps(layer.input_layernorm), eps2=_eps(layer.post_attention_layernorm),
                 qkv=qkv, o=o, gate_up=gu, down=down,
                 qkv_bias=qkv_b, o_bias=o_b, gate_up_bias=gu_b, down_bias=down_b,
-                qkv_kp=attn.qkv_proj.padded_in_features, o_kp=attn.o_proj.padded_in_features,
+                qkv_kp=qkv_proj.padded_in_features, o_kp=o_proj.padded_in_features,
                 gate_up_kp=gu_kp, down_kp=down_kp, **moe,
                 k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(), window=spec.window_of(i) or 0,
-                q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm),
-                qk_eps=_eps(attn.q_norm), qk_norm_whole=int(attn.whole_qk_norm),
                 cos=cos, sin=sin, attn_out_norm=norm(layer.attn_out_norm), mlp_out_norm=norm(layer.mlp_out_norm),
-                sinks=f32(attn.sinks) if attn.sinks is not None else None,
                 out_eps=_eps(layer.attn_out_norm),
+                **(self._conv(attn) if conv else dict(
+                    q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm), qk_eps=_eps(attn.q_norm),
+                    qk_norm_whole=int(attn.whole_qk_norm), sinks=f32(attn.sinks) if attn.sinks is not None else None)),
             )
         self._layers = layers
         head = model.lm_head
@@ -188,13 +190,20 @@ class CpuDecoder:
             q_scales=f32(model.query_scales) if model.query_scales is not None else None,
             act=int(spec.activation == "gelu_tanh"), layers=layers, final_norm=norm(model.norm),
             lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
-            bits=model.layers[0].self_attn.qkv_proj.bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],
+            bits=linears[0].bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],
         )
         if any(lin.group != self._plan.group for lin in linears):
             raise ValueError("CpuDecoder needs one group size for every projection")
         if any(lin.bits != self._plan.bits for lin in linears if lin is not head):
             raise ValueError("CpuDecoder needs one width (8 or 4 bits) for every projection of the layers")
         self.serves_adapters = False
+
+    def _conv(self, conv: ShortConv) -> dict:
+        """``rk_layer``'s fields for LFM2's short convolution: its float32 taps ``[kernel, hidden]``
+        and bias."""
+        bias = conv.conv_bias
+        return dict(conv_taps=_float_pointer(conv.taps, self._keep), conv_kernel=conv.kernel,
+                    conv_bias=_float_pointer(bias, self._keep) if bias is not None else None)
 
     def _experts(self, moe: "SparseMoE") -> dict:
         """``rk_layer``'s fields for a mixture of experts: the float32 router (its bias, the shared
@@ -293,8 +302,9 @@ class CpuDecoder:
         f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
         q = torch.empty(m, self._kp, dtype=torch.int16)
         dq, tmp = f32(m), f32(max(spec.hidden_size, spec.intermediate_size))
-        qkv = f32(m, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim)
-        attn = f32(m, spec.num_heads * spec.head_dim)
+        conv = 3 * spec.hidden_size if spec.conv_layers else 0  # LFM2's in_proj: B, C, x
+        qkv = f32(m, max((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, conv))
+        attn = f32(m, max(spec.num_heads * spec.head_dim, conv // 3))
         gate_up = f32(m, 2 * spec.intermediate_size)
         xsum = f32(m * self._kp // self._plan.group)
         logits = f32(s, self._plan.vocab)

@@ -52,7 +52,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 17; }
+int rk_abi(void) { return 18; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -1074,6 +1074,12 @@ typedef struct {
     const float *choice_bias;
     int64_t n_group, topk_group;
     float routed_scale;
+    /* LFM2: a short convolution in attention's place (conv_taps != NULL): qkv is its in_proj (B, C
+     * and x, hidden each), o its out_proj, k_cache holds each token's B * x ([slots, hidden]);
+     * conv_taps [conv_kernel, hidden] (tap j reads position p - conv_kernel + 1 + j), conv_bias
+     * [hidden] (NULL: none). */
+    const float *conv_taps, *conv_bias;
+    int64_t conv_kernel;
 } rk_layer;
 
 typedef struct {
@@ -1276,6 +1282,34 @@ static int moe_block(const rk_model *md, const rk_layer *l, int64_t M, float *x,
     return ok;
 }
 
+/* LFM2's short convolution over a step's rows, as conv.py's ShortConv computes it: bcx [M, 3 H] the
+ * in_proj's B, C and x; each row's B * x written to its slot of the layer's cache first (a prompt's
+ * rows read the rows before them), then y [M, H] = C * (sum over taps j of taps[j] * the input at
+ * position p - kernel + 1 + j, those before the sequence began left out, + bias), in float32. */
+static void short_conv(const float *bcx, int64_t M, int64_t H, const rk_layer *l, const int64_t *pos,
+                       const int64_t *slot, const int64_t *table, int64_t tw, const int64_t *tab_of, int64_t bs,
+                       int kind, float *tmp, float *y) {
+    const int64_t K = l->conv_kernel;
+    for (int64_t m = 0; m < M; m++) {
+        const float *b = bcx + m * 3 * H, *x = b + 2 * H;
+        for (int64_t c = 0; c < H; c++) tmp[c] = b[c] * x[c];
+        kv_store(l->k_cache, slot[m] * H, tmp, H, kind);
+    }
+    for (int64_t m = 0; m < M; m++) {
+        float *out = y + m * H;
+        for (int64_t c = 0; c < H; c++) out[c] = 0.f;
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t p = pos[m] - K + 1 + j;
+            if (p < 0) continue;
+            const int64_t s = table[tab_of[m] * tw + p / bs] * bs + p % bs;
+            const float *taps = l->conv_taps + j * H;
+            for (int64_t c = 0; c < H; c++) out[c] += kv_load(l->k_cache, s * H + c, kind) * taps[c];
+        }
+        const float *cgate = bcx + m * 3 * H + H;
+        for (int64_t c = 0; c < H; c++) out[c] = cgate[c] * (l->conv_bias ? out[c] + l->conv_bias[c] : out[c]);
+    }
+}
+
 /* A block's input quantized, normalised first by ln (NULL: as it is, OLMo's blocks). */
 static void input_quantize(const float *x, int64_t M, int64_t H, const float *ln, float eps, float *tmp, int64_t Kp,
                            int16_t *q, float *dq) {
@@ -1292,7 +1326,8 @@ static void input_quantize(const float *x, int64_t M, int64_t H, const float *ln
  * in out_rows (ascending) reach the final norm and the LM head: a decoding sequence's row and the
  * last row of a prompt's final chunk; the rows of other chunks only fill the cache. Scratch:
  * q [M, max kp] int16, dq [M], tmp [max(hidden, inter)], qkv, attn, gate_up (one row each per
- * token), xsum [M max kp / group]. row_adapter [M]: each row's LoRA adapter (0: none), or NULL when
+ * token; with LFM2's convolutions qkv's rows at least 3 hidden, attn's at least hidden),
+ * xsum [M max kp / group]. row_adapter [M]: each row's LoRA adapter (0: none), or NULL when
  * no row has one. Out: logits [S, vocab]. Returns 0 when the attention's, the adapters',
  * the output norms' or a mixture of experts' scratch cannot be allocated: the step is then void
  * (layers before a mixture of experts may have written their keys and values, which running the
@@ -1324,19 +1359,28 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
     for (int64_t i = 0; i < md->num_layers; i++) {
         const rk_layer *l = md->layers + i;
         input_quantize(x, M, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
-        rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
-        if (lora) lora_add(md->lora, md->num_adapters, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
-        if (l->q_norm && l->qk_norm_whole) { /* OLMo: the query and the key projections as one vector each */
-            head_norms(qkv, M, qkv_size, 1, 0, md->heads * D, l->q_norm, NULL, l->qk_eps);
-            head_norms(qkv + md->heads * D, M, qkv_size, 1, 0, md->kv_heads * D, l->k_norm, NULL, l->qk_eps);
-        } else if (l->q_norm)
-            head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
-        attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, l->cos, l->sin, l->k_cache, l->v_cache, slot,
-                  table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, md->q_scales,
-                  max_len, md->kv_kind, scores, attn);
-        rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
-        rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
-        if (lora) lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, out, H, lx);
+        if (l->conv_taps) { /* LFM2: a short convolution, then the MLP below (no adapters: lora.py refuses them) */
+            rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, 3 * H, qkv, 3 * H, 0, xsum);
+            short_conv(qkv, M, H, l, pos, slot, table, tw, tab_of, md->block_size, md->kv_kind, tmp, attn);
+            rk_quantize_rows(attn, M, H, H, l->o_kp, q, dq);
+            rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
+        } else {
+            rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
+            if (lora)
+                lora_add(md->lora, md->num_adapters, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
+            if (l->q_norm && l->qk_norm_whole) { /* OLMo: the query and the key projections as one vector each */
+                head_norms(qkv, M, qkv_size, 1, 0, md->heads * D, l->q_norm, NULL, l->qk_eps);
+                head_norms(qkv + md->heads * D, M, qkv_size, 1, 0, md->kv_heads * D, l->k_norm, NULL, l->qk_eps);
+            } else if (l->q_norm)
+                head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
+            attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, l->cos, l->sin, l->k_cache, l->v_cache, slot,
+                      table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, md->q_scales,
+                      max_len, md->kv_kind, scores, attn);
+            rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
+            rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
+            if (lora)
+                lora_add(md->lora, md->num_adapters, L, i, 1, row_adapter, q, dq, M, l->o_kp, attn_size, out, H, lx);
+        }
         if (sandwich) rmsnorm_add(branch, M, H, l->attn_out_norm, l->out_eps, x);
         else if (scaled) scaled_add(branch, M, H, md->residual_scale, x);
         /* no adapters (lora.py refuses experts') nor output norms (cpu_decode.py) here */

@@ -21,12 +21,54 @@ from test_torch_gemma import (
     assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, engine_prompt_logprobs,
     hf_prompt_logprobs, packed_torch_path_distance,
 )
+from test_torch_routed_moe import assert_routing_matches_transformers
 from torch_models import assert_built_with_config_refused, gguf_of, hf_greedy, tiny_checkpoint, write_lora
 
 
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("lfm2") / "lfm2", "lfm2")
+
+
+@pytest.fixture(scope="module")
+def lfm2_moe(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("lfm2_moe") / "lfm2_moe", "lfm2_moe")
+
+
+def test_lfm2_moe_greedy_matches_transformers_alone_and_in_a_mixed_batch(lfm2_moe):
+    # LFM2's layers; layer 0's MLP dense, the others' 2 of 4 experts by sigmoid scores plus a
+    # choice bias (LFM2-MoE's releases as saved: feed_forward.experts.E.w1, expert_bias).
+    assert_greedy_matches_transformers(lfm2_moe)
+
+
+@pytest.mark.parametrize("dtype,within", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3)])
+def test_lfm2_moe_prompt_logprobs_match_transformers(lfm2_moe, dtype, within):
+    # Measured 1.2e-6 and 5e-7: the scores, their renormalisation and scaling in bfloat16 as
+    # transformers computes them (in float32, 7 of 4,000 rows chose other experts and
+    # the distance was 0.09).
+    assert_prompt_logprobs_match_transformers(lfm2_moe, dtype, within)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lfm2_moe_routing_matches_transformers_router(lfm2_moe, dtype):
+    """The same experts and the same weights as transformers' router on 4,000 rows."""
+    assert_routing_matches_transformers(lfm2_moe, dtype)
+
+
+def test_lfm2_moe_spec(lfm2_moe):
+    from transformers import AutoConfig
+
+    s = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(lfm2_moe), local_files_only=True))
+    assert s.conv_layers == (0, 1, 3) and s.qk_norm and s.intermediate_size == 80  # no 2/3 adjustment
+    assert (s.num_experts, s.experts_per_token, s.expert_size, s.dense_layers) == (4, 2, 24, (0,))
+    assert s.sigmoid_routing and s.routing_bias and s.normalize_routing and s.routed_scale == 1.5
+    assert s.scores_in_model_dtype and not s.float_router and s.shared_expert_size == 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_lfm2_moe_c_steps_match_the_packed_torch_path(lfm2_moe, fmt):
+    """Short convolutions and experts in the one C call."""
+    assert_c_steps_match_the_torch_path(lfm2_moe, weight_format=fmt)
 
 
 def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(lfm2):

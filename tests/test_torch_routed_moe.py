@@ -87,6 +87,8 @@ def _router_and_bias(model):
     for module in model.modules():
         if type(module).__name__.endswith("SparseMoeBlock") and hasattr(module, "e_score_correction_bias"):
             return module.gate, module.e_score_correction_bias  # MiniMax-M2 passes its bias to the router
+        if type(module).__name__.endswith("SparseMoeBlock") and hasattr(module, "expert_bias"):
+            return module.gate, module.expert_bias  # LFM2-MoE's, the same way
         if type(module).__name__.endswith(("TopkRouter", "TopKRouter")):
             return module, None
     raise AssertionError("no router")

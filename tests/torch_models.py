@@ -330,6 +330,15 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = Lfm2Config(**lfm2, pad_token_id=0, conv_L_cache=3, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
                             block_auto_adjust_ff_dim=True, layer_types=["conv", "conv", "full_attention", "conv"],
                             conv_bias=arch == "lfm2-bias")
+    elif arch == "lfm2_moe":  # LFM2-MoE: LFM2's layers, layer 0's MLP dense (of 80), the others 2 of 4 experts of 24
+        # by sigmoid scores plus a choice bias, renormalised, times 1.5
+        from transformers import Lfm2MoeConfig
+
+        lfm2 = {**common, "num_hidden_layers": 4, "intermediate_size": 80}
+        lfm2["norm_eps"] = lfm2.pop("rms_norm_eps")
+        config = Lfm2MoeConfig(**lfm2, pad_token_id=0, conv_L_cache=3, num_dense_layers=1, num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=24, routed_scaling_factor=1.5,
+                               layer_types=["conv", "conv", "full_attention", "conv"])
     elif arch in ("qwen3-vl-mm", "qwen2_5-vl-mm", "qwen3-vl-moe-mm"):  # Qwen3-VL (Qwen3's attention, interleaved multimodal rotary
         # sections; tied embeddings) and Qwen2.5-VL (Qwen2's, sections in turn; an LM head of its own), a tiny vision
         # tower never read

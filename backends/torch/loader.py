@@ -190,17 +190,24 @@ def load_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(spec, _safetensors_weights(path, rename), HFTokenizer(hf_tok, eos), template)
 
 
+_LFM2_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+               (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
+               (".k_layernorm.", ".k_norm."), (".feed_forward.w1.", ".mlp.gate_proj."),
+               (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
+               ("model.embedding_norm.", "model.norm."))
+"""LFM2's norms, o_proj, q/k norms, MLP and final norm (its conv layers keep their names)."""
+
 _BAMBA_NAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
                 ("model.final_layernorm.", "model.norm."))
 """Bamba's and Falcon-H1's MLPs, their input norms and the final norm (their Mamba2 layers: ``mamba.``)."""
 
 _RENAMED = {
-    # LFM2: its norms, o_proj, q/k norms, MLP and final norm (its conv layers keep their names)
-    "lfm2": ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
-             (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
-             (".k_layernorm.", ".k_norm."), (".feed_forward.w1.", ".mlp.gate_proj."),
-             (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
-             ("model.embedding_norm.", "model.norm.")),
+    "lfm2": _LFM2_NAMES,
+    # LFM2-MoE: LFM2's names, its experts' choice bias, and its blocks of experts (`feed_forward.gate`,
+    # `feed_forward.experts.E.w1` or as transformers 5 saves them, `feed_forward.experts.gate_up_proj`)
+    # under `mlp.`
+    "lfm2_moe": ((".feed_forward.expert_bias", ".mlp.e_score_correction_bias"), *_LFM2_NAMES,
+                 (".feed_forward.", ".mlp.")),
     # Hunyuan: its query and key norms
     "hunyuan_v1_dense": ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")),
     # Nemotron-H: its embeddings and final norm, its blocks under `backbone.` (each block's `mixer.`

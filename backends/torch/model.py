@@ -104,6 +104,9 @@ class ModelSpec:
     groups_by_best: bool = False  # DeepSeek-V2: a group scores its best expert's score, not its two best summed
     routed_scale: float | None = None
     float_router: bool = False
+    # LFM2-MoE: the sigmoid scores, their renormalisation (by the sum plus 1e-6) and scaling in the
+    # router's dtype, the choice bias float32, as transformers computes them.
+    scores_in_model_dtype: bool = False
     # Layers of a MoE model with a plain MLP of intermediate_size instead (Qwen's mlp_only_layers
     # and decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
@@ -196,7 +199,7 @@ class ModelSpec:
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
-                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2",
+                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2", "lfm2_moe",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1")
@@ -441,11 +444,11 @@ class ModelSpec:
             # transformers rotates OLMo's whole heads, whatever such a key says
             raise ModelError(f"partial_rotary_factor is not supported for model_type `{model_type}`")
         cohere = model_type in ("cohere", "cohere2")
-        lfm2 = _lfm2_fields(cfg) if model_type == "lfm2" else {}
+        lfm2 = _lfm2_fields(cfg) if model_type in ("lfm2", "lfm2_moe") else {}
         intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
         cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
         gated_delta = _gated_delta_fields(cfg) if model_type in cls.GATED_DELTA else {}
-        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2",
+        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2", "lfm2_moe",
                                   "hunyuan_v1_dense", "apertus", *cls.GATED_DELTA) or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
         query_scale = granite.get("attention_multiplier")
@@ -834,6 +837,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
         return _biased_routing(cfg, model_type)
     elif model_type == "deepseek_v2":
         return _deepseek_v2_routing(cfg)
+    elif model_type == "lfm2_moe":
+        return _lfm2_moe_routing(cfg)
     else:
         return {}
     top_k = _experts_per_token(cfg, experts)
@@ -852,6 +857,20 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
 BIASED_ROUTING = ("glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
 """Mixtures of experts that choose their experts by scores plus a learned bias (DeepSeek-V3's
 routing; :class:`ModelSpec`'s ``routing_bias``)."""
+
+
+def _lfm2_moe_routing(cfg: Any) -> dict[str, Any]:
+    """LFM2-MoE's experts (``num_experts`` of ``moe_intermediate_size``) in every layer from
+    ``num_dense_layers`` on: sigmoid scores of the router's logits, the experts chosen by the
+    scores plus ``expert_bias`` (``use_expert_bias``, float32), weighted by their scores,
+    renormalised with ``norm_topk_prob`` (by the sum plus 1e-6), times ``routed_scaling_factor``,
+    all in the model's dtype (``scores_in_model_dtype``); no shared expert."""
+    experts = cfg.num_experts
+    dense = int(getattr(cfg, "num_dense_layers", 0) or 0)
+    return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts),
+                expert_size=cfg.moe_intermediate_size, dense_layers=tuple(range(min(dense, cfg.num_hidden_layers))),
+                sigmoid_routing=True, routing_bias=bool(getattr(cfg, "use_expert_bias", True)), scores_in_model_dtype=True,
+                normalize_routing=bool(getattr(cfg, "norm_topk_prob", True)), **_groups_and_scale(cfg, experts))
 
 
 def _experts_per_token(cfg: Any, experts: int) -> int:

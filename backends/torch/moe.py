@@ -65,6 +65,7 @@ class SparseMoE(nn.Module):
         self.groups_by_best = spec.groups_by_best
         self.stacked_in_out = spec.stacked_in_out
         self.float_router = spec.float_router
+        self.scores_in_model_dtype = spec.scores_in_model_dtype  # LFM2-MoE's
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
         # DeepSeek-V3's e_score_correction_bias: added to the scores to choose experts only.
         self.choice_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False) if spec.routing_bias else None
@@ -76,11 +77,12 @@ class SparseMoE(nn.Module):
     def keep_float_router(self) -> None:
         """The router's weights and its choice bias back to float32 after the model was cast to
         its dtype, for a model whose router works in float32 (``float_router``), as
-        transformers keeps them (MiniMax-M2's are in the model's dtype)."""
+        transformers keeps them (MiniMax-M2's are in the model's dtype); LFM2-MoE's choice bias
+        alone."""
         if self.float_router:
             self.gate.float()
-            if self.choice_bias is not None:
-                self.choice_bias.data = self.choice_bias.data.float()
+        if (self.float_router or self.scores_in_model_dtype) and self.choice_bias is not None:
+            self.choice_bias.data = self.choice_bias.data.float()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts ``[n, top_k]`` (best first) and their weights: float32
@@ -92,7 +94,7 @@ class SparseMoE(nn.Module):
             return F.softmax(logits, dim=-1, dtype=logits.dtype).to(x.dtype), chosen
         logits = self.gate(x.float()) if self.float_router else self.gate(x)
         if self.sigmoid:
-            scores = torch.sigmoid(logits.float())
+            scores = torch.sigmoid(logits if self.scores_in_model_dtype else logits.float())
         else:
             scores = F.softmax(logits, dim=-1, dtype=torch.float32)
         if self.choice_bias is None and self.groups is None:
@@ -102,7 +104,8 @@ class SparseMoE(nn.Module):
             chosen = torch.topk(self._choice(biased), self.top_k, dim=-1).indices
             weights = scores.gather(1, chosen)
         if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total + 1e-6 if self.scores_in_model_dtype else total)
         if self.routed_scale is not None:
             weights = weights * self.routed_scale
         return (weights if self.float_weights else weights.to(x.dtype)), chosen

@@ -13,6 +13,7 @@ so the router serves the folder as it serves any chat model.
     .venv/bin/python bench/random_checkpoint.py --out /tmp/gemma3 --arch gemma3   # Gemma 3 270M's layers
     .venv/bin/python bench/random_checkpoint.py --out /tmp/q35 --arch qwen3_5_text  # Gated DeltaNet, 3 in 4 layers
     .venv/bin/python bench/random_checkpoint.py --out /tmp/lfm2 --arch lfm2         # LFM2-350M's layers
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/lfm3 --arch lfm3         # LFM3-1.7B's, in bfloat16
     .venv/bin/python bench/engines.py --model /tmp/moe --skip llamacpp --levels 1,8,32
 """
 
@@ -49,7 +50,7 @@ LFM2_350M = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
-    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3", "qwen3_5_text", "lfm2"],
+    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3", "qwen3_5_text", "lfm2", "lfm3"],
                    default="qwen3_moe")
     p.add_argument("--hidden", type=int, default=1024, help="MoE: hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=12, help="MoE: decoder layers, every one sparse (default 12)")
@@ -86,16 +87,21 @@ def main() -> None:
     elif args.arch == "qwen3_5_text":
         config = AutoConfig.for_model("qwen3_5_text", **common, **QWEN3_5_SMALL)
         shape = "12 layers of 1024, every fourth full attention, the others Gated DeltaNet"
-    elif args.arch == "lfm2":
-        lfm2 = {**common, "norm_eps": common["rms_norm_eps"]}
-        del lfm2["rms_norm_eps"]
-        config = AutoConfig.for_model("lfm2", **lfm2, **LFM2_350M)
-        shape = "LFM2-350M's 16 layers, ten of them short convolutions"
+    elif args.arch in ("lfm2", "lfm3"):
+        lfm = {**common, "norm_eps": common["rms_norm_eps"]}
+        del lfm["rms_norm_eps"]
+        if args.arch == "lfm2":
+            config = AutoConfig.for_model("lfm2", **lfm, **LFM2_350M)
+            shape = "LFM2-350M's 16 layers, ten of them short convolutions"
+        else:  # transformers' defaults are LFM3-1.7B's shape (LiquidAI/LFM3-1.7B)
+            config = AutoConfig.for_model("lfm3", **lfm, pad_token_id=0)
+            shape = "LFM3-1.7B's 24 layers of 2048: 13 short convolutions (7 taps), 5 sliding and 6 full attention"
     else:
         config = AutoConfig.for_model("gemma3_text", **common, **GEMMA3_270M)
         shape = "Gemma 3 270M's 18 layers"
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # LFM3-1.7B in bfloat16, as released: half the 6 GB float32 would take.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if args.arch == "lfm3" else torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if args.arch == "qwen3_5_text":

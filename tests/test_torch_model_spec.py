@@ -99,8 +99,8 @@ def test_a_partial_rotary_that_cannot_pair_is_refused(partial, why):
     ({k: v for k, v in longrope(8).items() if k != "short_factor"}, "needs `short_factor`: a list of 8 numbers"),
     ({"rope_type": "dynamic"}, "rope scaling `dynamic` needs a `factor`"),
     ({"type": "linear", "factor": 0}, "rope scaling `linear` needs a `factor`"),
-    ({"rope_type": "proportional", "factor": 2.0},
-     "rope scaling `proportional` is not supported; supported: default, linear, dynamic, llama3, yarn, longrope"),
+    ({"rope_type": "su", "factor": 2.0},
+     "rope scaling `su` is not supported; supported: default, linear, dynamic, llama3, yarn, longrope, proportional"),
 ])
 def test_rope_scalings_that_cannot_load_are_refused_by_name(scaling, why):
     cfg = SimpleNamespace(model_type="llama", **SIZES, num_hidden_layers=2, rope_theta=10000.0, rope_scaling=scaling)
@@ -208,6 +208,8 @@ ROPES = [
     {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
      "mscale_all_dim": 0.5},  # DeepSeek's form
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "truncate": False},
+    {"rope_type": "proportional", "partial_rotary_factor": 0.5},  # LFM3's full layers: half the pairs turn
+    {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 2.0},
 ]
 
 

@@ -330,6 +330,19 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = Lfm2Config(**lfm2, pad_token_id=0, conv_L_cache=3, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
                             block_auto_adjust_ff_dim=True, layer_types=["conv", "conv", "full_attention", "conv"],
                             conv_bias=arch == "lfm2-bias")
+    elif arch == "lfm3":  # LFM3: LFM2's conv layers (3 taps) around a sliding (window 8, rotary base 1e4) and a full
+        # attention layer (proportional rotary, base 100: half of each head's pairs turn), a sigmoid gate a head,
+        # output norms
+        from transformers import Lfm3Config
+
+        lfm3 = {**common, "num_hidden_layers": 4, "intermediate_size": 96}
+        lfm3["norm_eps"] = lfm3.pop("rms_norm_eps")
+        config = Lfm3Config(**lfm3, pad_token_id=0, head_dim=16, conv_L_cache=3,
+                            sliding_window=8, layer_types=["conv", "sliding_attention", "full_attention", "conv"],
+                            rope_parameters={  # a low base, so that which pairs turn shows
+                                "full_attention": {"rope_type": "proportional", "rope_theta": 100.0,
+                                                   "partial_rotary_factor": 0.5},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     elif arch == "lfm2_moe":  # LFM2-MoE: LFM2's layers, layer 0's MLP dense (of 80), the others 2 of 4 experts of 24
         # by sigmoid scores plus a choice bias, renormalised, times 1.5
         from transformers import Lfm2MoeConfig

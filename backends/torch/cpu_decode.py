@@ -13,6 +13,7 @@ cache gather, attention, residual adds), and even one Python call per kernel (27
     -> down_proj (added, the same way)
 
 (a mixture of experts' layer: ``moe_block`` in the MLP's place; gpt-oss's sinks in the attention;
+LFM3's gates, one a head, on the attention's output;
 LFM2's short convolution, ``short_conv`` between its in_proj and out_proj, in the attention's place)
 
 and the final norm and LM head for the rows that sample. Gemma's and Granite's embedding factors,
@@ -191,6 +192,7 @@ class CpuDecoder:
             act=int(spec.activation == "gelu_tanh"), layers=layers, final_norm=norm(model.norm),
             lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
             bits=linears[0].bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],
+            head_gates=int(spec.head_gates),
         )
         if any(lin.group != self._plan.group for lin in linears):
             raise ValueError("CpuDecoder needs one group size for every projection")
@@ -303,7 +305,8 @@ class CpuDecoder:
         q = torch.empty(m, self._kp, dtype=torch.int16)
         dq, tmp = f32(m), f32(max(spec.hidden_size, spec.intermediate_size))
         conv = 3 * spec.hidden_size if spec.conv_layers else 0  # LFM2's in_proj: B, C, x
-        qkv = f32(m, max((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, conv))
+        gates = spec.num_heads if spec.head_gates else 0  # LFM3's, after q, k and v
+        qkv = f32(m, max((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + gates, conv))
         attn = f32(m, max(spec.num_heads * spec.head_dim, conv // 3))
         gate_up = f32(m, 2 * spec.intermediate_size)
         xsum = f32(m * self._kp // self._plan.group)

@@ -197,12 +197,22 @@ _LFM2_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_a
                ("model.embedding_norm.", "model.norm."))
 """LFM2's norms, o_proj, q/k norms, MLP and final norm (its conv layers keep their names)."""
 
+_LFM3_NAMES = ((".self_attn.gate_proj.", ".self_attn.g_proj."), (".operator_norm.", ".input_layernorm."),
+               (".post_operator_norm.", ".post_attention_layernorm."), (".ffn_norm.", ".pre_feedforward_layernorm."),
+               (".post_ffn_norm.", ".post_feedforward_layernorm."), (".feed_forward.w1.", ".mlp.gate_proj."),
+               (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
+               ("model.embedding_norm.", "model.norm."))
+"""LFM3's head gates (as released, ``gate_proj``), its norms as Gemma's sandwich (each block's input
+norm, output norm: ``post_attention_layernorm`` and ``post_feedforward_layernorm``; the MLP's input
+norm ``pre_feedforward_layernorm``), MLP and final norm."""
+
 _BAMBA_NAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
                 ("model.final_layernorm.", "model.norm."))
 """Bamba's and Falcon-H1's MLPs, their input norms and the final norm (their Mamba2 layers: ``mamba.``)."""
 
 _RENAMED = {
     "lfm2": _LFM2_NAMES,
+    "lfm3": _LFM3_NAMES,
     # LFM2-MoE: LFM2's names, its experts' choice bias, and its blocks of experts (`feed_forward.gate`,
     # `feed_forward.experts.E.w1` or as transformers 5 saves them, `feed_forward.experts.gate_up_proj`)
     # under `mlp.`

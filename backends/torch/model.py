@@ -179,6 +179,9 @@ class ModelSpec:
     linear_layers: tuple[int, ...] = ()
     delta: DeltaShape | None = None
     gated_attention: bool = False
+    # LFM3: a sigmoid gate per query head from a projection of its own (g_proj; its releases'
+    # gate_proj), each head's output times it.
+    head_gates: bool = False
     # Granite 4's hybrids, Bamba, Nemotron-H and Falcon-H1: their linear_layers are Mamba2 layers
     # (:mod:`.mamba`) of this shape.
     mamba: MambaShape | None = None
@@ -199,7 +202,7 @@ class ModelSpec:
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
-                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2", "lfm2_moe",
+                 "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2", "lfm2_moe", "lfm3",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1")
@@ -217,7 +220,7 @@ class ModelSpec:
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu", "relu2": "relu2"}
     OWN_ACTIVATIONS = {"xielu": "apertus", "relu2": "nemotron_h"}
     """Activations one model type has (its ungated MLPs'), and which."""
-    ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+    ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
     LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
     """Model types whose attention is multi-head latent attention."""
@@ -398,6 +401,8 @@ class ModelSpec:
             local = {"rope_theta": theta}
         local_scaling = _rope_scaling(local, cfg) if local is not None else None
         partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+        if (scaling or {}).get("rope_type") == "proportional":  # its factor zeroes frequencies (rope_inv_freq)
+            partial = None
         rotary_dim = None
         if partial is not None and float(partial) != 1.0 and latent is not None:
             raise ModelError(f"partial_rotary_factor {partial}: latent attention rotates qk_rope_head_dim's dimensions")
@@ -444,11 +449,14 @@ class ModelSpec:
             # transformers rotates OLMo's whole heads, whatever such a key says
             raise ModelError(f"partial_rotary_factor is not supported for model_type `{model_type}`")
         cohere = model_type in ("cohere", "cohere2")
-        lfm2 = _lfm2_fields(cfg) if model_type in ("lfm2", "lfm2_moe") else {}
+        lfm2 = _lfm2_fields(cfg) if model_type in ("lfm2", "lfm2_moe", "lfm3") else {}
+        lfm3 = model_type == "lfm3"
+        if lfm3 and not getattr(cfg, "use_sandwich_norm", True):  # its releases have them; the names differ without
+            raise ModelError("use_sandwich_norm false: LFM3 without its output norms is not supported")
         intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
         cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
         gated_delta = _gated_delta_fields(cfg) if model_type in cls.GATED_DELTA else {}
-        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2", "lfm2_moe",
+        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2", "lfm2_moe", "lfm3",
                                   "hunyuan_v1_dense", "apertus", *cls.GATED_DELTA) or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
         query_scale = granite.get("attention_multiplier")
@@ -498,10 +506,12 @@ class ModelSpec:
                 _multiplier(cfg, "embedding_multiplier") if falcon else None),
             embed_scale_rounded=gemma,
             offset_norms=gemma or bool(gated_delta),
-            sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo or exaone,
+            sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo or exaone or (
+                lfm3 and bool(getattr(cfg, "use_sandwich_norm", True))),
+            head_gates=lfm3 and bool(getattr(cfg, "use_attention_gate", True)),
             glm_norm_names=model_type == "glm4",
             input_norms=not (olmo or exaone),
-            float_rotary=olmo or ernie or deepseek_v2 or cohere,
+            float_rotary=olmo or ernie or deepseek_v2 or cohere or lfm3,
             query_scale=query_scale,
             attn_softcap=softcaps["attn_logit_softcapping"],
             final_softcap=softcaps["final_logit_softcapping"],
@@ -555,9 +565,10 @@ def _lfm2_fields(cfg: Any) -> dict[str, Any]:
     ``block_auto_adjust_ff_dim``, two thirds of ``intermediate_size``, times
     ``block_ffn_dim_multiplier`` and rounded up to ``block_multiple_of`` if there is one."""
     kinds = list(getattr(cfg, "layer_types", None) or ())
-    if len(kinds) != cfg.num_hidden_layers or set(kinds) - {"conv", "full_attention"}:
+    allowed = ("conv", "full_attention", "sliding_attention") if cfg.model_type == "lfm3" else ("conv", "full_attention")
+    if len(kinds) != cfg.num_hidden_layers or set(kinds) - set(allowed):
         raise ModelError(f"layer_types {kinds!r} must name each of the {cfg.num_hidden_layers} layers "
-                         "`conv` or `full_attention`")
+                         + " or ".join(f"`{kind}`" for kind in allowed))
     kernel = getattr(cfg, "conv_L_cache", 3)
     if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1:
         raise ModelError(f"conv_L_cache {kernel!r} must be a positive integer")
@@ -990,7 +1001,7 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral", "exaone4", "cohere2"):
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral", "exaone4", "cohere2", "lfm3"):
         pattern = getattr(cfg, "sliding_window_pattern", None)
         if types is None and model_type == "exaone4" and isinstance(pattern, str) and pattern:  # "LLLG"
             types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
@@ -1043,6 +1054,9 @@ def rope_inv_freq(spec: ModelSpec, seq_len: int | None = None) -> tuple[torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "proportional":  # LFM3's full layers: the first pairs rotate (over the whole head), the rest not
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * dim // 2)
+        inv = torch.cat((inv[:angles], torch.zeros(dim // 2 - angles))) / float(scaling.get("factor", 1.0))
     elif kind == "yarn":
         return _yarn(spec, scaling, exponents)
     elif kind == "longrope":
@@ -1217,8 +1231,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        # Qwen3-Next, Qwen3.5: a gate for every query dimension, after the values (out * sigmoid(gate)).
-        self.gate_size = self.q_size if spec.gated_attention else 0
+        # Qwen3-Next, Qwen3.5: a gate for every query dimension, after the values (out * sigmoid(gate));
+        # LFM3: one for every head.
+        self.gate_size = self.q_size if spec.gated_attention else spec.num_heads if spec.head_gates else 0
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
@@ -1259,10 +1274,10 @@ class Attention(nn.Module):
             q = q * q_scale
         v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
-        out = out.reshape(n, self.q_size)
         if self.gate_size:
-            out = out * torch.sigmoid(qkv[:, -self.gate_size :])
-        return self.o_proj(out)
+            gates = torch.sigmoid(qkv[:, -self.gate_size :])
+            out = out * (gates.view(n, -1, 1) if self.gate_size == self.num_heads else gates.view(out.shape))
+        return self.o_proj(out.reshape(n, self.q_size))
 
     def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:
         """Each query head through ``q_norm``, each key head through ``k_norm`` (``qk``: the
@@ -1631,9 +1646,13 @@ class CausalLM(nn.Module):
             qkv = reorder(weights.take(fused))
         else:
             qkv = self._gated(attn, [weights.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], reorder)
+            if spec.head_gates:  # LFM3: a gate a head, its own projection's rows after q, k and v
+                qkv = torch.cat((qkv, weights.take(p + "self_attn.g_proj.weight")))
         weights.copy(attn.qkv_proj.weight, fused, qkv)
         if spec.qkv_bias:
             bias = self._gated(attn, [weights.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], reorder)
+            if spec.head_gates:  # g_proj has none
+                bias = torch.cat((bias, bias.new_zeros(attn.num_heads)))
             weights.copy(attn.qkv_proj.bias, p + "qkv bias", bias)
         weights.copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
         if spec.o_bias:
@@ -1660,7 +1679,7 @@ class CausalLM(nn.Module):
         """q, k and v's rows as one (their rotated rows moved by ``reorder``), then the gates';
         a gated checkpoint's q_proj holds each head's query rows, then that head's gate rows."""
         gate = None
-        if attn.gate_size:
+        if attn.gate_size == attn.q_size:  # Qwen3-Next's and Qwen3.5's gates (LFM3's have a projection of their own)
             if qkv[0].shape[0] != 2 * attn.q_size:
                 raise ModelError(f"q_proj has {qkv[0].shape[0]} rows; gated attention needs {2 * attn.q_size}: a query "
                                  f"and a gate of {attn.head_dim} for each of the {attn.num_heads} heads")

@@ -52,7 +52,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 18; }
+int rk_abi(void) { return 19; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -1097,6 +1097,8 @@ typedef struct {
     int kv_kind; /* the KV cache's element type: RK_F32, RK_F16 or RK_BF16 */
     const rk_lora *lora; /* LoRA adapters: [adapter - 1][layer][projection][RK_LORA_PARTS]; NULL: none */
     int64_t num_adapters; /* entries of lora: a row whose adapter is above it is left as the base model's */
+    int head_gates; /* LFM3: a gate a query head after q, k and v in qkv's rows, each head's output times
+                     * its sigmoid; 0: none */
 } rk_model;
 
 /* gpt-oss's experts' activation for rows [gate (I) | up (I)], quantized: the gate clamped to at most
@@ -1310,6 +1312,16 @@ static void short_conv(const float *bcx, int64_t M, int64_t H, const rk_layer *l
     }
 }
 
+/* LFM3: each row's heads of attn [M, heads D] times the sigmoids of their gates (gate [heads], row stride gs). */
+static void head_gates(const float *gate, int64_t M, int64_t gs, int64_t heads, int64_t D, float *attn) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float g = 1.f / (1.f + expf(-gate[m * gs + h]));
+            float *out = attn + (m * heads + h) * D;
+            for (int64_t d = 0; d < D; d++) out[d] *= g;
+        }
+}
+
 /* A block's input quantized, normalised first by ln (NULL: as it is, OLMo's blocks). */
 static void input_quantize(const float *x, int64_t M, int64_t H, const float *ln, float eps, float *tmp, int64_t Kp,
                            int16_t *q, float *dq) {
@@ -1337,7 +1349,8 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
                    const int64_t *out_rows, int64_t S, int16_t *q, float *dq, float *tmp, float *qkv, float *attn,
                    float *gate_up, float *xsum, float *logits, const int64_t *row_adapter) {
     const int64_t H = md->hidden, I = md->inter, D = md->head_dim;
-    const int64_t qkv_size = (md->heads + 2 * md->kv_heads) * D, attn_size = md->heads * D;
+    const int64_t gates = md->head_gates ? md->heads : 0;
+    const int64_t qkv_size = (md->heads + 2 * md->kv_heads) * D + gates, attn_size = md->heads * D;
     float *scores = malloc((size_t)(rk_threads() * RK_SHARE * max_len) * sizeof(float));
     if (!scores) return 0;
     const int lora = md->lora && row_adapter;
@@ -1376,6 +1389,7 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
             attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, l->cos, l->sin, l->k_cache, l->v_cache, slot,
                       table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, md->q_scales,
                       max_len, md->kv_kind, scores, attn);
+            if (gates) head_gates(qkv + qkv_size - gates, M, qkv_size, md->heads, D, attn);
             rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);
             rk_linear(q, dq, M, l->o_kp, l->o, md->group, md->bits, l->o_bias, H, out, H, add, xsum);
             if (lora)

@@ -12,7 +12,7 @@ query and key norms, the full-attention layers of its hybrid models without rota
 (biases on q, k, v and o), Granite-MoE with a shared MLP and Granite 4's attention-only models,
 and Cohere's Command models (``cohere``, ``cohere2``: mean-centred norms, attention and MLP in
 parallel from one norm, logits scaled; Command R+'s per-head query and key norms; Cohere 2's
-full-attention layers without rotary).
+full-attention layers without rotary), and Granite SWA (windows, attention sinks, a rotary base a layer).
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -35,7 +35,7 @@ from torch_models import tiny_checkpoint
 
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
          "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2",
-         "hunyuan", "apertus"]
+         "hunyuan", "apertus", "granite_swa", "granitemoe_swa"]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,12 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     # logprobs see it. Measured: about 1e-6 from transformers in float32, 5e-7 in bfloat16 (each
     # step rounds where transformers rounds); leaving out any one of what these configs
     # set moves some logprob by more than 0.05 (test_the_tiny_configs_exercise_what_they_set).
-    # The prompt: 60 tokens, past Ministral 3's original 32 positions.
+    # The prompt: 60 tokens, past Ministral 3's original 32 positions. Granite SWA's sinks join
+    # the float32 softmax as one more logit (gpt-oss's); transformers rounds the probabilities to
+    # bfloat16 and scales them by the sink's sigmoid, rounded too: 0.004 and 0.009 apart in
+    # bfloat16, where its own bfloat16 is 0.003 from its float32.
+    if dtype == torch.bfloat16 and arch.endswith("_swa"):
+        within = 0.02
     assert_prompt_logprobs_match_transformers(checkpoints[arch], dtype, within)
 
 
@@ -123,13 +128,46 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("exaone4", "int8", "auto"), ("exaone4", "int4", "float16"),
                                          ("seed_oss", "int8", "auto"), ("seed_oss", "int4", "auto"),
                                          ("granitemoeshared", "int8", "auto"), ("granite4", "int4", "auto"),
-                                         ("granite4-moe", "int8", "bfloat16")])
+                                         ("granite4-moe", "int8", "bfloat16"), ("granite_swa", "int8", "auto"),
+                                         ("granite_swa", "int4", "bfloat16"), ("granitemoe_swa", "int4", "auto")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take
     the residual unnormalised, its query and key norms span whole projections) gives the packed
     torch path's tokens, logprobs within 0.02."""
     assert_c_steps_match_the_torch_path(checkpoints[arch], weight_format=fmt, kv_cache_dtype=kv)
+
+
+@pytest.mark.parametrize("config", [
+    {"layer_rope_theta": [1e4] * 4},  # no layer without rotary, the full layer's base the sliding layers'
+    {"layer_rope_theta": [5e5, 1e4, 1e4, 5e5]},  # layer 0 rotating
+    {"layer_rope_theta": [0, 5e5, 5e5, 5e5]},  # the sliding layers' base the full layer's
+    {"layer_types": ["full_attention"] * 4},  # no window
+])
+def test_the_tiny_granite_swa_exercises_what_it_sets(checkpoints, config):
+    """Each of the layer without rotary, the two bases and the window moves transformers' own
+    float32 logprobs by 100 times what the comparison allows or more (measured 0.022, 0.019,
+    0.012, 0.21); without the sinks the engine's own are 0.2 away."""
+    folder = checkpoints["granite_swa"]
+    prompt = random_prompts(7, (60,))[0]
+    assert distance(hf_prompt_logprobs(folder, prompt), hf_prompt_logprobs(folder, prompt, **config)) > 0.01
+
+
+def test_granite_swa_specs():
+    s = ModelSpec.from_hf_config(_config("granite_swa", num_hidden_layers=4, sliding_window=16, attention_multiplier=0.5,
+                                         layer_types=["sliding_attention", "full_attention"] * 2,
+                                         layer_rope_theta=[1e4, 0, 1e4, 2e5]))
+    assert s.attention_sinks and s.sliding_window == 16 and s.sliding_layers == (0, 2) and s.nope_layers == (1,)
+    assert (s.rope_theta, s.local_rope_theta, s.query_scale) == (2e5, 1e4, 0.5)
+    same = ModelSpec.from_hf_config(_config("granite_swa", num_hidden_layers=2, sliding_window=16,
+                                            layer_types=["sliding_attention", "full_attention"], layer_rope_theta=None))
+    assert same.local_rope_theta is None and same.nope_layers == () and same.rope_theta == 10000.0
+    for thetas, message in (([1e4, 2e4, 1e4, 3e4], "one rotary base for the full layers and one for the sliding"),
+                            ([1e4, 2e4], "must be a base .0: none. for each of the 4 layers")):
+        with pytest.raises(ModelError, match=message):
+            ModelSpec.from_hf_config(_config("granite_swa", num_hidden_layers=4, sliding_window=16,
+                                             layer_types=["sliding_attention", "full_attention"] * 2,
+                                             layer_rope_theta=thetas))
 
 
 def _config(model_type, **changes):

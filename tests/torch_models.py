@@ -213,6 +213,17 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = GraniteMoeSharedConfig(**{**common, "intermediate_size": 48}, pad_token_id=0, num_local_experts=4,
                                         num_experts_per_tok=2, shared_intermediate_size=40, embedding_multiplier=2.0,
                                         attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=1.5)
+    elif arch in ("granite_swa", "granitemoe_swa"):  # Granite SWA: Granite's multipliers, a sink logit a head, layers 1
+        # and 2 sliding over 8 with a base of 1e4, layer 0 full without rotary (base 0), layer 3 full with 5e5; dense, or
+        # 4 experts (2 a token) and a shared MLP
+        from transformers import GraniteMoeSWAConfig, GraniteSWAConfig
+
+        swa = dict(**{**common, "num_hidden_layers": 4, "intermediate_size": 48}, pad_token_id=0, sliding_window=8,
+                   layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                   layer_rope_theta=[0, 1e4, 1e4, 5e5], embedding_multiplier=2.0, attention_multiplier=0.1,
+                   residual_multiplier=0.5, logits_scaling=1.5)
+        config = GraniteSWAConfig(**swa) if arch == "granite_swa" else GraniteMoeSWAConfig(
+            **swa, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40)
     elif arch in ("granite4", "granite4-moe"):  # Granite 4's attention-only models: dense (its shared MLP alone,
         # with rotary) or experts plus the shared MLP, no rotary (position_embedding_type None)
         from transformers import GraniteMoeHybridConfig
@@ -456,7 +467,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                 if arch == "hunyuan":
                     p.mul_(3.0)  # after the rotary they set the scores' scale alone: sharper, so the rotary shows
             sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm", "exaone4",
-                     "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2")
+                     "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2", "granite_swa",
+                     "granitemoe_swa")
             if (arch in sharp or arch in LATENT_ARCHS) and name.endswith(
                     ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")):
                 # Sharper attention, so that what shapes it shows: at 0.2, SmolLM3's rotary on a

@@ -203,6 +203,7 @@ class ModelSpec:
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2", "lfm2_moe", "lfm3",
+                 "granite_swa", "granitemoe_swa",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1")
@@ -421,6 +422,10 @@ class ModelSpec:
                     if not isinstance(got, (list, tuple)) or len(got) != pairs:
                         raise ModelError(f"rope scaling `longrope` needs `{key}`: a list of {pairs} numbers, one per rotated pair")
         window, sliding_layers = _sliding_window(cfg, model_type)
+        swa_nope: tuple[int, ...] = ()
+        if model_type in GRANITE_SWA:  # its layer_rope_theta: the full and the sliding layers' bases, 0 for none
+            theta, local, swa_nope = _granite_swa_thetas(cfg, sliding_layers or (), float(theta))
+            local_scaling = scaling if local is not None else None
         glm = model_type in ("glm", "glm4")
         ernie = model_type in ("ernie4_5", "ernie4_5_moe")
         use_bias = ernie and bool(getattr(cfg, "use_bias", False))  # ERNIE's one switch for every projection
@@ -519,12 +524,12 @@ class ModelSpec:
             local_rope_scaling=local_scaling,
             scaled_max_position=model_type == "gemma3_text",
             float_norms=gemma or olmo or model_type in ("gpt_oss", "nemotron_h"),
-            attention_sinks=model_type == "gpt_oss",
+            attention_sinks=model_type in ("gpt_oss", *GRANITE_SWA),
             nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (
                 _full_layers(cfg, sliding_layers) if exaone and window else ()) or (
                 tuple(range(cfg.num_hidden_layers))
                 if (granite4 and getattr(cfg, "position_embedding_type", None) != "rope") or model_type == "nemotron_h"
-                else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()),
+                else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()) or swa_nope,
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
@@ -626,7 +631,7 @@ def _nope_layers(cfg: Any) -> tuple[int, ...]:
     return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
 
-GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
+GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa", "granitemoe_swa")
 """Granite's model types, which read its four multipliers."""
 
 
@@ -736,6 +741,30 @@ def _multipliers(cfg: Any, key: str, count: int) -> list[float]:
     return [float(v) for v in values]
 
 
+GRANITE_SWA = ("granite_swa", "granitemoe_swa")
+"""Granite (dense, experts) with sliding-window layers, attention sinks and a rotary base per layer."""
+
+
+def _granite_swa_thetas(cfg: Any, sliding: tuple[int, ...], theta: float) -> tuple[float, dict | None, tuple[int, ...]]:
+    """Granite SWA's ``layer_rope_theta`` (a base per layer; 0: that layer does not rotate) as the
+    engine's tables: the full layers' base, the sliding layers' (as Gemma 3's local rotary, the same
+    scaling; None where it is the full layers'), and the layers that do not rotate. Refused where the
+    full (or the sliding) layers do not share one base."""
+    thetas = list(getattr(cfg, "layer_rope_theta", None) or [theta] * cfg.num_hidden_layers)
+    if len(thetas) != cfg.num_hidden_layers or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0
+                                                   for t in thetas):
+        raise ModelError(f"layer_rope_theta {thetas!r} must be a base (0: none) for each of the {cfg.num_hidden_layers} "
+                         "layers")
+    bases = {kind: {float(t) for i, t in enumerate(thetas) if t and (i in sliding) == (kind == "sliding")}
+             for kind in ("full", "sliding")}
+    if len(bases["full"]) > 1 or len(bases["sliding"]) > 1:
+        raise ModelError(f"layer_rope_theta {thetas!r}: one rotary base for the full layers and one for the sliding "
+                         "ones are supported")
+    full = next(iter(bases["full"]), next(iter(bases["sliding"]), theta))
+    local = next(iter(bases["sliding"]), full)
+    return full, ({"rope_theta": local} if local != full else None), tuple(i for i, t in enumerate(thetas) if not t)
+
+
 def _granite_multipliers(cfg: Any) -> dict[str, float]:
     """Granite's four factors, each checked positive; those at 1 (no change) left out."""
     found = {}
@@ -837,7 +866,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
         experts, size, normalize, dense = cfg.num_experts, cfg.intermediate_size, bool(cfg.norm_topk_prob), ()
     elif model_type in ("gpt_oss", "granitemoe"):  # the softmax over the chosen logits sums to 1 already
         experts, size, normalize, dense = cfg.num_local_experts, cfg.intermediate_size, False, ()
-    elif model_type in ("granitemoeshared", "granitemoehybrid"):  # Granite-MoE's, and a shared MLP added ungated
+    elif model_type in ("granitemoeshared", "granitemoehybrid", "granitemoe_swa"):  # Granite-MoE's, and a shared MLP
+        # added ungated
         if not cfg.num_local_experts:  # Granite 4's dense models (their shared MLP is the layer's MLP)
             return {}
         top_k = _experts_per_token(cfg, cfg.num_local_experts)
@@ -1001,7 +1031,8 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral", "exaone4", "cohere2", "lfm3"):
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral", "exaone4", "cohere2", "lfm3",
+                      *GRANITE_SWA):
         pattern = getattr(cfg, "sliding_window_pattern", None)
         if types is None and model_type == "exaone4" and isinstance(pattern, str) and pattern:  # "LLLG"
             types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"

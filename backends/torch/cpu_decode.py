@@ -6,7 +6,7 @@ cache gather, attention, residual adds), and even one Python call per kernel (27
 3 ms. ``rk_decode_step`` runs the whole model over a step's rows, one per new token; per layer:
 
     RMSNorm (none for OLMo) + quantize -> qkv -> (Qwen3's and Gemma 3's head norms; OLMo's over
-    whole projections) -> rotary (none on SmolLM3's NoPE layers; Ministral 3's query scale) +
+    whole projections; Hunyuan's after the rotary) -> rotary (none on SmolLM3's NoPE layers; Ministral 3's query scale) +
     cache write + attention (within the layer's window, if any; Gemma 2's capped scores) ->
     quantize -> o_proj (added to the residual; Gemma 2/3, GLM-4, OLMo: normalised first;
     Granite: scaled) -> RMSNorm + quantize -> gate_up -> SiLU (GELU for Gemma) * up + quantize
@@ -103,8 +103,6 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
         return "Cohere's mean-centred norms and parallel blocks"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
         return "linear attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)"
-    if spec.qk_norm_after_rotary:
-        return "query and key norms after the rotary (Hunyuan)"
     if spec.activation == "xielu":
         return "ungated MLPs with xIELU (Apertus)"
     return None
@@ -178,7 +176,8 @@ class CpuDecoder:
                 out_eps=_eps(layer.attn_out_norm),
                 **(self._conv(attn) if conv else dict(
                     q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm), qk_eps=_eps(attn.q_norm),
-                    qk_norm_whole=int(attn.whole_qk_norm), sinks=f32(attn.sinks) if attn.sinks is not None else None)),
+                    qk_norm_whole=int(attn.whole_qk_norm), sinks=f32(attn.sinks) if attn.sinks is not None else None,
+                    qk_norm_after_rotary=int(attn.norm_after_rotary))),
             )
         self._layers = layers
         head = model.lm_head

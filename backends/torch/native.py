@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 19
+ABI = 20
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -61,7 +61,7 @@ class RkLayer(ctypes.Structure):
         ("shared_gate", _P), ("shared_inter", _I), ("shared_gate_up_kp", _I), ("shared_down_kp", _I),
         ("sigmoid", ctypes.c_int), ("choice_bias", _P), ("n_group", _I), ("topk_group", _I),
         ("routed_scale", ctypes.c_float),
-        ("conv_taps", _P), ("conv_bias", _P), ("conv_kernel", _I),
+        ("conv_taps", _P), ("conv_bias", _P), ("conv_kernel", _I), ("qk_norm_after_rotary", ctypes.c_int),
     ]
 
 

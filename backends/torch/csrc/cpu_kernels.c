@@ -52,7 +52,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 19; }
+int rk_abi(void) { return 20; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -1080,6 +1080,7 @@ typedef struct {
      * [hidden] (NULL: none). */
     const float *conv_taps, *conv_bias;
     int64_t conv_kernel;
+    int qk_norm_after_rotary; /* Hunyuan: q_norm and k_norm on the rotated heads (0: before the rotary) */
 } rk_layer;
 
 typedef struct {
@@ -1384,9 +1385,15 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
             if (l->q_norm && l->qk_norm_whole) { /* OLMo: the query and the key projections as one vector each */
                 head_norms(qkv, M, qkv_size, 1, 0, md->heads * D, l->q_norm, NULL, l->qk_eps);
                 head_norms(qkv + md->heads * D, M, qkv_size, 1, 0, md->kv_heads * D, l->k_norm, NULL, l->qk_eps);
+            } else if (l->q_norm && l->qk_norm_after_rotary) { /* Hunyuan: rotated here, attention() rotates no more */
+                for (int64_t m = 0; l->cos && m < M; m++)
+                    rotate(qkv + m * qkv_size, md->heads + md->kv_heads, D, l->cos + pos[m] * D, l->sin + pos[m] * D);
+                head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
             } else if (l->q_norm)
                 head_norms(qkv, M, qkv_size, md->heads, md->kv_heads, D, l->q_norm, l->k_norm, l->qk_eps);
-            attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, l->cos, l->sin, l->k_cache, l->v_cache, slot,
+            const int rotated = l->q_norm && l->qk_norm_after_rotary;
+            attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, rotated ? NULL : l->cos, l->sin, l->k_cache,
+                      l->v_cache, slot,
                       table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, md->q_scales,
                       max_len, md->kv_kind, scores, attn);
             if (gates) head_gates(qkv + qkv_size - gates, M, qkv_size, md->heads, D, attn);

@@ -82,6 +82,14 @@ def test_lfm3_spec(lfm3):
     assert s.rope_scaling["rope_type"] == "proportional" and s.rotary_dim is None and s.local_rope_theta == 10000.0
     with pytest.raises(ModelError, match="use_sandwich_norm false: LFM3 without its output norms is not supported"):
         ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(lfm3), local_files_only=True, use_sandwich_norm=False))
+    with pytest.raises(ModelError, match="sliding_window null: LFM3's sliding_attention layers need a window"):
+        ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(lfm3), local_files_only=True, sliding_window=None))
+    # transformers' LFM3 takes intermediate_size as it is, and rotates whole heads under a default rotary
+    odd = ModelSpec.from_hf_config(AutoConfig.from_pretrained(
+        str(lfm3), local_files_only=True, block_auto_adjust_ff_dim=True, partial_rotary_factor=0.5,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+    assert odd.intermediate_size == 96 and odd.rotary_dim is None
 
 
 @pytest.mark.parametrize("fmt,kv", [("int8", "auto"), ("int4", "bfloat16")])
@@ -106,8 +114,20 @@ def test_lfm2_moe_prompt_logprobs_match_transformers(lfm2_moe, dtype, within):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lfm2_moe_routing_matches_transformers_router(lfm2_moe, dtype):
-    """The same experts and the same weights as transformers' router on 4,000 rows."""
+    """The same experts and the same weights as transformers' router on 4,000 rows, and the
+    choice bias read (as released, ``feed_forward.expert_bias``) and choosing: without it the
+    router picks other experts for some rows."""
     assert_routing_matches_transformers(lfm2_moe, dtype)
+    from backends.torch.loader import load_checkpoint
+    from backends.torch.model import CausalLM
+    from backends.torch.moe import SparseMoE
+
+    ckpt = load_checkpoint(lfm2_moe)
+    moe = next(m for m in CausalLM.from_state_dict(ckpt.spec, 64, dict(ckpt.weights)).modules() if isinstance(m, SparseMoE))
+    x = torch.randn(64, ckpt.spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    chosen = moe.route(x)[1].sort(-1).values
+    moe.choice_bias.data.zero_()
+    assert (chosen != moe.route(x)[1].sort(-1).values).any(-1).sum() >= 8
 
 
 def test_lfm2_moe_spec(lfm2_moe):

@@ -490,7 +490,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                 # prompt's last token. Trained output norms are larger.
                 p.add_(3.0)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # a buffer (DeepSeek-V3's routers): zeros until set
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # a buffer (DeepSeek-V3's and LFM2-MoE's
+                # routers): zeros until set
                 b.normal_(0.0, 0.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)

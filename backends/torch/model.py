@@ -402,8 +402,8 @@ class ModelSpec:
             local = {"rope_theta": theta}
         local_scaling = _rope_scaling(local, cfg) if local is not None else None
         partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
-        if (scaling or {}).get("rope_type") == "proportional":  # its factor zeroes frequencies (rope_inv_freq)
-            partial = None
+        if (scaling or {}).get("rope_type") == "proportional" or model_type in ("lfm2", "lfm2_moe", "lfm3"):
+            partial = None  # proportional: its factor zeroes frequencies (rope_inv_freq); LFM's rotate whole heads
         rotary_dim = None
         if partial is not None and float(partial) != 1.0 and latent is not None:
             raise ModelError(f"partial_rotary_factor {partial}: latent attention rotates qk_rope_head_dim's dimensions")
@@ -458,6 +458,9 @@ class ModelSpec:
         lfm3 = model_type == "lfm3"
         if lfm3 and not getattr(cfg, "use_sandwich_norm", True):  # its releases have them; the names differ without
             raise ModelError("use_sandwich_norm false: LFM3 without its output norms is not supported")
+        if lfm3 and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) and not getattr(cfg, "sliding_window", None):
+            # its sliding layers would attend to everything yet rotate as sliding ones: none of its releases
+            raise ModelError("sliding_window null: LFM3's sliding_attention layers need a window")
         intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
         cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
         gated_delta = _gated_delta_fields(cfg) if model_type in cls.GATED_DELTA else {}
@@ -578,7 +581,8 @@ def _lfm2_fields(cfg: Any) -> dict[str, Any]:
     if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1:
         raise ModelError(f"conv_L_cache {kernel!r} must be a positive integer")
     size = cfg.intermediate_size
-    if getattr(cfg, "block_auto_adjust_ff_dim", False):
+    if getattr(cfg, "block_auto_adjust_ff_dim", False) and cfg.model_type == "lfm2":  # LFM2-MoE's and LFM3's MLPs
+        # take intermediate_size as it is
         size = int(2 * size / 3)
         multiplier = getattr(cfg, "block_ffn_dim_multiplier", None)
         if multiplier is not None:

@@ -46,7 +46,7 @@ def test_models_without_decode_graphs_run_eagerly_on_cuda_and_match_transformers
     # Routing reads each expert's row count back to the host, which no graph can hold: with
     # cuda_graphs on, a MoE model's decode steps still run eagerly; LFM2's too (the static
     # path builds no convolution windows), and those with per-sequence states (Qwen3-Next, Qwen3.5,
-    # Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1).
+    # OLMo Hybrid, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1).
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = engine_for(folder, device="cuda", dtype="float32", block_size=4, max_batched_tokens=16, max_num_seqs=16)
     try:

@@ -29,9 +29,9 @@ from test_torch_gemma import assert_prompt_logprobs_match_transformers, packed_t
 from torch_models import assert_built_with_config_refused, hf_greedy, tiny_checkpoint, write_lora
 
 ARCHS = ["qwen3_next", "qwen3_5-mm", "qwen3_5_moe-mm", "granite4-hybrid", "granite4-hybrid-moe", "bamba", "nemotron_h",
-         "nemotron_h-moe", "falcon_h1", "falcon_h1-norm"]
-"""Every model with per-sequence states: Gated DeltaNet's and Mamba2's (Granite 4's hybrids, Bamba, Nemotron-H,
-Falcon-H1)."""
+         "nemotron_h-moe", "falcon_h1", "falcon_h1-norm", "olmo_hybrid"]
+"""Every model with per-sequence states: Gated DeltaNet's (Qwen3-Next, Qwen3.5, OLMo Hybrid) and Mamba2's (Granite 4's
+hybrids, Bamba, Nemotron-H, Falcon-H1)."""
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -75,6 +75,9 @@ def test_prompt_logprobs_match_transformers(delta, dtype, within):
     # transformers' own bfloat16 is 0.021 and 0.024 from its float32.
     if dtype == torch.bfloat16 and delta.name.startswith("falcon_h1"):
         within = 0.03
+    # OLMo Hybrid's tiny model: 0.008, where transformers' own bfloat16 is 0.011 from its float32.
+    if dtype == torch.bfloat16 and delta.name == "olmo_hybrid":
+        within = 0.02
     assert_prompt_logprobs_match_transformers(delta, dtype, within)
 
 
@@ -326,6 +329,31 @@ def _config(**changes):
                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], shared_expert_intermediate_size=0,
                 layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
     return {**base, **changes}
+
+
+def test_olmo_hybrid_spec_and_each_layers_norms(tmp_path):
+    """Its linear layers normalise each block's input (Llama's), its attention layer each block's
+    output (OLMo 3's); beta doubled (linear_allow_neg_eigval), which moves transformers' own
+    logprobs (so matching them shows it)."""
+    from transformers import AutoConfig
+
+    from test_torch_gemma import distance, hf_prompt_logprobs
+
+    folder = tiny_checkpoint(tmp_path / "olmo_hybrid", "olmo_hybrid")
+    s = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    assert s.linear_layers == (0, 1, 3) and s.prenorm_linear_layers and not s.input_norms and s.sandwich_norms
+    assert s.delta.beta_scale == 2.0 and s.delta.norm_eps == 1e-5 and s.qk_norm_whole and not s.offset_norms
+    assert not s.gated_attention and s.nope_layers == () and s.float_norms and s.float_rotary
+    engine = engine_for(folder)
+    try:
+        layers = engine.model.layers
+        assert [layer.input_layernorm is not None for layer in layers] == [True, True, False, True]
+        assert [layer.attn_out_norm is not None for layer in layers] == [False, False, True, False]
+        assert [layer.post_attention_layernorm is not None for layer in layers] == [True, True, False, True]
+    finally:
+        run(engine.stop())
+    prompt = random_prompts(4, (40,))[0]
+    assert distance(hf_prompt_logprobs(folder, prompt), hf_prompt_logprobs(folder, prompt, linear_allow_neg_eigval=False)) > 0.01
 
 
 def test_qwen3_next_and_qwen3_5_specs():

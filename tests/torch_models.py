@@ -446,6 +446,16 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
             config = Qwen3_5MoeConfig(text_config=dict(delta, **experts), vision_config=vision,
                                       image_token_id=49151, video_token_id=49150)
+    elif arch == "olmo_hybrid":  # OLMo Hybrid: Gated DeltaNet layers 0, 1 and 3 (2 key heads of
+        # 8, 4 value heads of 12, 4 taps; beta doubled), each block's input normed; layer 2 OLMo 3's attention (query and
+        # key norms over whole projections, its blocks' outputs normed, rotary base 1e4)
+        from transformers import OlmoHybridConfig
+
+        config = OlmoHybridConfig(**{**common, "num_hidden_layers": 4}, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                                  layer_types=["linear_attention", "linear_attention", "full_attention",
+                                               "linear_attention"], pad_token_id=0,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)

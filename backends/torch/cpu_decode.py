@@ -102,7 +102,7 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
     if spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head:
         return "Cohere's mean-centred norms and parallel blocks"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
-        return "linear attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)"
+        return "linear attention or Mamba layers (Qwen3-Next, Qwen3.5, OLMo Hybrid, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)"
     if spec.activation == "xielu":
         return "ungated MLPs with xIELU (Apertus)"
     return None

@@ -1,4 +1,4 @@
-"""Gated DeltaNet: the linear-attention layers of Qwen3-Next and Qwen3.5, over per-sequence state.
+"""Gated DeltaNet: the linear-attention layers of Qwen3-Next, Qwen3.5 and OLMo Hybrid, over per-sequence state.
 
 Such a layer keeps no keys and values per token. Each value head holds a matrix ``S`` of
 ``key_dim x value_dim`` numbers that every token updates by the gated delta rule (Yang et al.,
@@ -51,6 +51,8 @@ class DeltaShape:
     key_dim: int
     value_dim: int
     kernel: int
+    beta_scale: float = 1.0  # OLMo Hybrid's linear_allow_neg_eigval: beta in [0, 2]
+    norm_eps: float | None = None  # the output norm's epsilon; None: the model's (OLMo Hybrid's: 1e-5)
 
     @property
     def key_size(self) -> int:
@@ -122,7 +124,7 @@ class GatedDeltaNet(nn.Module):
         self.taps = nn.Parameter(torch.empty(shape.conv_size, shape.kernel), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(shape.value_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(shape.value_heads), requires_grad=False)
-        self.norm = GatedRMSNorm(shape.value_dim, eps)
+        self.norm = GatedRMSNorm(shape.value_dim, eps if shape.norm_eps is None else shape.norm_eps)
         self.out_proj = nn.Linear(shape.value_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: object, meta: AttentionMetadata, q_scale: object = None) -> torch.Tensor:
@@ -132,7 +134,7 @@ class GatedDeltaNet(nn.Module):
         conv_state, ssm = states.conv[self.layer], states.ssm[self.layer]
         mixed = causal_conv(mixed, self.taps, None, conv_state, meta)
         q, k, v = mixed.split([s.key_size, s.key_size, s.value_size], dim=-1)
-        beta = b.sigmoid()
+        beta = b.sigmoid() if s.beta_scale == 1.0 else b.sigmoid() * s.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         q, k = _normed_heads(q.view(n, s.key_heads, s.key_dim), s), _normed_heads(k.view(n, s.key_heads, s.key_dim), s)
         q = q * s.key_dim**-0.5
@@ -145,9 +147,15 @@ class GatedDeltaNet(nn.Module):
         """The layer's weights (``prefix``: ``layers.N.linear_attn.``): Qwen3.5's projections
         (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) or Qwen3-Next's
         (``in_proj_qkvz`` and ``in_proj_ba``, their rows grouped by key head: each head's query,
-        key, values and z's; its b's and a's), the filters, ``dt_bias``, ``A_log``, the norm."""
+        key, values and z's; its b's and a's), or OLMo Hybrid's (``q_proj`` ... ``a_proj``, z's
+        ``g_proj``, the norm ``o_norm``, ``o_proj``, the filters as released ``q_conv1d`` ...), the
+        filters, ``dt_bias``, ``A_log``, the norm."""
         s = self.shape
-        if weights.has(prefix + "in_proj_qkvz.weight"):
+        norm, out = "norm.weight", "out_proj.weight"
+        if weights.has(prefix + "q_proj.weight"):  # OLMo Hybrid's: each projection apart, z's named g_proj
+            parts = [weights.take(prefix + f"{name}_proj.weight") for name in ("q", "k", "v", "g", "b", "a")]
+            norm, out = "o_norm.weight", "o_proj.weight"
+        elif weights.has(prefix + "in_proj_qkvz.weight"):
             group, hidden = s.value_heads // s.key_heads, self.in_proj.in_features
             qkvz, ba = (self._rows(weights, prefix + name, rows) for name, rows in (
                 ("in_proj_qkvz.weight", 2 * s.key_size + 2 * s.value_size), ("in_proj_ba.weight", 2 * s.value_heads)))
@@ -159,11 +167,14 @@ class GatedDeltaNet(nn.Module):
             parts = [weights.take(prefix + f"in_proj_{name}.weight") for name in ("qkv", "z", "b", "a")]
         weights.copy(self.in_proj.weight, prefix + "in_proj.weight", torch.cat(parts))
         name = prefix + "conv1d.weight"
+        if weights.has(prefix + "q_conv1d.weight"):  # OLMo Hybrid's as released: the queries', keys' and values' apart
+            filters = torch.cat([weights.take(prefix + f"{part}_conv1d.weight") for part in "qkv"])
+            weights.state[name] = filters
         weights.copy(self.taps, name, weights.filters(name, s.conv_size, s.kernel))
         weights.copy(self.dt_bias, prefix + "dt_bias")
         weights.copy(self.A_log, prefix + "A_log")
-        weights.copy(self.norm.weight, prefix + "norm.weight")
-        weights.copy(self.out_proj.weight, prefix + "out_proj.weight")
+        weights.copy(self.norm.weight, prefix + norm)
+        weights.copy(self.out_proj.weight, prefix + out)
 
     @staticmethod
     def _rows(weights, name: str, rows: int) -> torch.Tensor:

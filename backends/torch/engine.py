@@ -286,7 +286,7 @@ class TorchEngine:
         refused."""
         if options.speculative is not None or options.draft_model is not None:
             raise ValueError("speculative_config: speculative decoding is not supported for a model with "
-                             "linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)")
+                             "linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, OLMo Hybrid, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)")
         if options.decode_graphs != "off":
             log.info("torch engine: linear-attention layers; decode steps run eagerly (no CUDA graphs)")
             options.decode_graphs = "off"

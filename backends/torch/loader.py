@@ -226,6 +226,8 @@ _RENAMED = {
                    ("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm.")),
     "bamba": _BAMBA_NAMES,
     "falcon_h1": _BAMBA_NAMES,
+    # OLMo Hybrid as released: its linear layers' input and MLP norms (its attention layers' output norm)
+    "olmo_hybrid": ((".attention_layer_norm.", ".input_layernorm."), (".feedforward_layer_norm.", ".post_attention_layernorm.")),
     # Apertus: its blocks' input norms
     "apertus": ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm.")),
 }

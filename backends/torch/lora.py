@@ -84,8 +84,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     if spec.conv_layers:  # its projections are named and shaped otherwise, layer by layer
         raise fail("adapters of a model with short convolutions (LFM2) are not supported")
     if spec.recurrent or spec.block_kinds:  # the same, and its attention's q_proj holds gates too
-        raise fail("adapters of a model with linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, Granite 4's "
-                   "hybrids, Bamba, Nemotron-H, Falcon-H1) are not supported")
+        raise fail("adapters of a model with linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, OLMo Hybrid, "
+                   "Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1) are not supported")
     if spec.activation == "xielu":  # no gate_up_proj to add to
         raise fail("adapters of a model with ungated MLPs (Apertus) are not supported")
     targets, rows = _targets(spec), spec.qkv_row_order()

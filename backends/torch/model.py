@@ -3,7 +3,7 @@ Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Comman
 Apertus, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
 Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with short convolutions (:mod:`.conv`);
-Qwen3-Next and Qwen3.5 with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
+Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
 Nemotron-H with Mamba2 layers (:mod:`.mamba`), Falcon-H1 with a Mamba2 mixer beside every attention) as plain
 torch modules.
 
@@ -182,6 +182,9 @@ class ModelSpec:
     # LFM3: a sigmoid gate per query head from a projection of its own (g_proj; its releases'
     # gate_proj), each head's output times it.
     head_gates: bool = False
+    # OLMo Hybrid: its linear-attention layers normalise each block's input (Llama's), its attention
+    # layers each block's output (OLMo's, input_norms False and sandwich_norms).
+    prenorm_linear_layers: bool = False
     # Granite 4's hybrids, Bamba, Nemotron-H and Falcon-H1: their linear_layers are Mamba2 layers
     # (:mod:`.mamba`) of this shape.
     mamba: MambaShape | None = None
@@ -203,7 +206,7 @@ class ModelSpec:
                  "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3", "mistral3", "glm4_moe", "dots1",
                  "ernie4_5", "ernie4_5_moe", "minimax_m2", "seed_oss", "exaone4", "granitemoeshared",
                  "granitemoehybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "cohere", "cohere2", "lfm2", "lfm2_moe", "lfm3",
-                 "granite_swa", "granitemoe_swa",
+                 "granite_swa", "granitemoe_swa", "olmo_hybrid",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1")
@@ -445,7 +448,7 @@ class ModelSpec:
         else:
             mamba = _nemotron_blocks(cfg) if model_type == "nemotron_h" else {}
         falcon = model_type == "falcon_h1"
-        olmo = model_type in ("olmo2", "olmo3")
+        olmo = model_type in ("olmo2", "olmo3", "olmo_hybrid")  # OLMo Hybrid: its attention layers'
         exaone = model_type == "exaone4"  # OLMo 2's output norms (in the model's dtype), per-head q/k norms
         if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
             raise ModelError(f"clip_qkv {cfg.clip_qkv}: clamping queries, keys and values is not supported")
@@ -464,6 +467,8 @@ class ModelSpec:
         intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
         cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
         gated_delta = _gated_delta_fields(cfg) if model_type in cls.GATED_DELTA else {}
+        if model_type == "olmo_hybrid":
+            gated_delta = _olmo_hybrid_fields(cfg)
         qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2", "lfm2_moe", "lfm3",
                                   "hunyuan_v1_dense", "apertus", *cls.GATED_DELTA) or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
@@ -513,7 +518,7 @@ class ModelSpec:
             embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier") or (
                 _multiplier(cfg, "embedding_multiplier") if falcon else None),
             embed_scale_rounded=gemma,
-            offset_norms=gemma or bool(gated_delta),
+            offset_norms=gemma or model_type in cls.GATED_DELTA,
             sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo or exaone or (
                 lfm3 and bool(getattr(cfg, "use_sandwich_norm", True))),
             head_gates=lfm3 and bool(getattr(cfg, "use_attention_gate", True)),
@@ -532,7 +537,8 @@ class ModelSpec:
                 _full_layers(cfg, sliding_layers) if exaone and window else ()) or (
                 tuple(range(cfg.num_hidden_layers))
                 if (granite4 and getattr(cfg, "position_embedding_type", None) != "rope") or model_type == "nemotron_h"
-                else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()) or swa_nope,
+                else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()) or swa_nope or (
+                _olmo_hybrid_nope(cfg) if model_type == "olmo_hybrid" else ()),
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
@@ -590,6 +596,31 @@ def _lfm2_fields(cfg: Any) -> dict[str, Any]:
             size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
     return dict(conv_layers=tuple(i for i, kind in enumerate(kinds) if kind == "conv"), conv_kernel=kernel,
                 conv_bias=bool(getattr(cfg, "conv_bias", False)), intermediate_size=size)
+
+
+def _olmo_hybrid_fields(cfg: Any) -> dict[str, Any]:
+    """OLMo Hybrid's Gated DeltaNet layers (``layer_types`` "linear_attention"; the others OLMo 3's
+    attention): their sizes, beta doubled with ``linear_allow_neg_eigval`` (in [0, 2]), the output
+    norm's epsilon flash-linear-attention's 1e-5; each layer's norms where its kind puts them."""
+    kinds = list(getattr(cfg, "layer_types", None) or ())
+    if len(kinds) != cfg.num_hidden_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ModelError(f"layer_types {kinds!r} must name each of the {cfg.num_hidden_layers} layers "
+                         "`linear_attention` or `full_attention`")
+    if "full_attention" not in kinds:
+        raise ModelError("layer_types names no `full_attention` layer; a model of linear attention alone is not supported")
+    if getattr(cfg, "hidden_act", "silu") != "silu":  # its convolutions take it too
+        raise ModelError(f"hidden_act `{cfg.hidden_act}`: OLMo Hybrid's linear layers are supported with `silu` only")
+    shape = replace(DeltaShape.of(cfg, ModelError), norm_eps=1e-5,
+                                beta_scale=2.0 if getattr(cfg, "linear_allow_neg_eigval", True) else 1.0)
+    return dict(linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"), delta=shape,
+                prenorm_linear_layers=True)
+
+
+def _olmo_hybrid_nope(cfg: Any) -> tuple[int, ...]:
+    """Every layer, where the config has no rotary base (its releases: transformers then builds no
+    rotary at all); none otherwise."""
+    rope = getattr(cfg, "rope_parameters", None)
+    return () if rope is not None and rope.get("rope_theta") is not None else tuple(range(cfg.num_hidden_layers))
 
 
 def _gated_delta_fields(cfg: Any) -> dict[str, Any]:
@@ -1409,7 +1440,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         norm = lambda: _norm(spec, spec.hidden_size)  # noqa: E731
-        self.input_layernorm = norm() if spec.input_norms else None
+        # OLMo Hybrid's linear layers normalise inputs as Llama's, its attention layers outputs as OLMo's.
+        prenorm = spec.prenorm_linear_layers and layer in spec.linear_layers
+        input_norms, sandwich = spec.input_norms or prenorm, spec.sandwich_norms and not prenorm
+        self.input_layernorm = norm() if input_norms else None
         self.self_attn: Attention | LatentAttention | ShortConv | GatedDeltaNet | Mamba2Mixer | None
         self.mlp: MLP | SparseMoE | XieluMLP | PlainMLP | None
         self.block = spec.block_kinds[layer] if spec.block_kinds else None
@@ -1432,10 +1466,10 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(spec, layer)
         # Llama's name for the MLP's input norm (Cohere's MLP reads the attention's input)
-        self.post_attention_layernorm = norm() if spec.input_norms and not spec.parallel_blocks else None
+        self.post_attention_layernorm = norm() if input_norms and not spec.parallel_blocks else None
         self.parallel = spec.parallel_blocks
-        self.attn_out_norm = norm() if spec.sandwich_norms else None
-        self.mlp_out_norm = norm() if spec.sandwich_norms else None
+        self.attn_out_norm = norm() if sandwich else None
+        self.mlp_out_norm = norm() if sandwich else None
         self.residual_scale = spec.residual_scale
         if spec.activation == "xielu":
             self.mlp = XieluMLP(spec.hidden_size, spec.intermediate_size)
@@ -1642,15 +1676,15 @@ class CausalLM(nn.Module):
                     elif layout is not None and spec.qk_norm_whole:  # MiniMax-M2's: each head's dimensions move
                         norm = norm.view(-1, spec.head_dim)[:, layout].flatten()
                     weights.copy(getattr(attn, name).weight, p + f"self_attn.{name}.weight", norm)
-            if spec.input_norms:
+            if layer.input_layernorm is not None:
                 weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
             if spec.glm_norm_names:
                 weights.copy(layer.attn_out_norm.weight, p + "post_self_attn_layernorm.weight")
                 weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
                 weights.copy(layer.mlp_out_norm.weight, p + "post_mlp_layernorm.weight")
-            elif spec.sandwich_norms:  # Gemma 2/3 and OLMo name the attention's output norm post_attention_layernorm
+            elif layer.attn_out_norm is not None:  # Gemma 2/3 and OLMo name the attention's output norm post_attention_layernorm
                 weights.copy(layer.attn_out_norm.weight, p + "post_attention_layernorm.weight")
-                if spec.input_norms:
+                if layer.post_attention_layernorm is not None:
                     weights.copy(layer.post_attention_layernorm.weight, p + "pre_feedforward_layernorm.weight")
                 weights.copy(layer.mlp_out_norm.weight, p + "post_feedforward_layernorm.weight")
             elif layer.post_attention_layernorm is not None:

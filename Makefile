@@ -4,6 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch lies on this machine's disk; GPU users override TORCH_SPEC.
 TORCH_SPEC ?= torch==2.13.0
+# llama-cpp-python compiles here. Its default (GGML_NATIVE) builds for every feature the CPU
+# advertises, AMX included, which these VMs advertise yet do not run: llama.cpp then segfaults on
+# its first batch of more than one token. A portable x86-64 build instead (AVX2, FMA, F16C; no
+# AMX); override LLAMA_CMAKE_ARGS for another (pip reuses a wheel it built before: clear its cache).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 STAMP  := $(VENV)/.installed
 CONFIG ?= router.toml
 
@@ -15,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 serve: install

@@ -85,7 +85,10 @@ def test_a_converted_peft_adapter_matches_transformers_with_it_merged(smollm2, a
     assert np.abs(plain - reference_base).max() < 1.0
     assert shift > 3.0  # the adapter matters
     assert np.abs(adapted - reference).max() < 0.2 * shift
-    assert adapted.argmax() == reference.argmax() != reference_base.argmax()
+    # transformers' choice with the adapter is llama.cpp's, or ties it: `every` puts two tokens 0.009
+    # apart in llama.cpp's AVX2 build, which picks the other (its native build picked this one)
+    assert adapted[reference.argmax()] > adapted.max() - 0.05
+    assert adapted.argmax() != reference_base.argmax() != reference.argmax()
 
 
 @pytest.fixture(scope="module")

@@ -257,7 +257,7 @@ def test_gemma_gguf_files_are_refused_before_converting(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_float16_is_refused_for_gemma_2_and_3(checkpoints, arch):
-    with pytest.raises(ValueError, match='dtype = "float16": Gemma 2 and 3 overflow float16'):
+    with pytest.raises(ValueError, match='dtype = "float16": Gemma 2, 3 and 4 overflow float16'):
         small_steps_engine(checkpoints[arch], dtype="float16")
 
 

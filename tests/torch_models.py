@@ -105,6 +105,22 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                           image_size=28, patch_size=14)
             config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
                                   boi_token_index=49149, eoi_token_index=49150, image_token_index=49151)
+    elif arch in ("gemma4", "gemma4-mm"):  # 31B's shape: layers 0 and 2 slide (a window of 8, heads of 16, base
+        # 1e4); the full layers 1 and 3 have heads of 32, one key head whose projection is the values' too, a
+        # proportional rotary (a quarter of each head, base 1e6); value norms; capped logits
+        from transformers import Gemma4Config, Gemma4TextConfig
+
+        text = Gemma4TextConfig(**{**gemma, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32,
+                                num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                                hidden_size_per_layer_input=0, final_logit_softcapping=6.0,
+                                layer_types=["sliding_attention", "full_attention"] * 2,
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                 "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                                    "partial_rotary_factor": 0.25}})
+        config = text
+        if arch == "gemma4-mm":  # the image-text checkpoint: a (tiny) vision tower the engine never reads
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+            config = Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=None)
     elif arch == "gpt_oss":  # 4 experts, 2 a token; sinks; a window of 8 on layer 0; YaRN; a clamp these weights reach
         from transformers import GptOssConfig
 
@@ -493,13 +509,18 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                 p.mul_(2.5)  # ERNIE's (a parameter): as large as the scores, so that it changes choices
             if name.endswith(".sinks"):
                 p.add_(1.0)  # gpt-oss: sinks that take a fair share of each softmax
-            if arch.startswith(("gemma2", "gemma3")) and name.endswith(("post_attention_layernorm.weight",
+            if arch.startswith("gemma4") and name.endswith("norm.weight") and not name.endswith(("q_norm.weight",
+                                                                                                 "k_norm.weight")):
+                p.add_(1.0)  # Gemma 4's norms scale by their weight (not 1 + weight): about 1, as trained
+            if arch.startswith(("gemma2", "gemma3", "gemma4")) and name.endswith(("post_attention_layernorm.weight",
                                                                          "post_feedforward_layernorm.weight")):
                 # Gemma 2/3 normalise each block's output before adding it: at a scale of about 1
                 # the blocks barely move the scaled embedding, and every model repeats its
                 # prompt's last token. Trained output norms are larger.
                 p.add_(3.0)
         for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's (a buffer it saves): ones until set
+                b.uniform_(0.5, 1.5)
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # a buffer (DeepSeek-V3's and LFM2-MoE's
                 # routers): zeros until set
                 b.normal_(0.0, 0.5)

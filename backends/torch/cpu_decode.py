@@ -105,6 +105,8 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
         return "linear attention or Mamba layers (Qwen3-Next, Qwen3.5, OLMo Hybrid, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)"
     if spec.activation == "xielu":
         return "ungated MLPs with xIELU (Apertus)"
+    if spec.value_norms or spec.full_head_dim is not None or spec.layer_scalars:
+        return "Gemma 4's value norms, layer scalars and full layers' heads of their own size"
     return None
 
 

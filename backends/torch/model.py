@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
-Apertus, Gemma 1/2/3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
+Apertus, Gemma 1/2/3/4, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
 Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -200,6 +201,17 @@ class ModelSpec:
     # applies to activations): a weight's name within its layer -> its rows' factors
     # (weights.scaled_rows).
     weight_scales: tuple[tuple[str, RowScales], ...] = ()
+    # Gemma 4: its full-attention layers' heads are of full_head_dim with full_kv_heads key and
+    # value heads (global_head_dim, num_global_key_value_heads), its sliding layers' head_dim and
+    # num_kv_heads; None: every layer's the same.
+    full_head_dim: int | None = None
+    full_kv_heads: int | None = None
+    # Gemma 4: values normalised per head (an RMSNorm without weight); attention_k_eq_v: its full
+    # layers' values are their keys' projection (before the key norm); each layer's output
+    # times a scalar of its own (layer_scalar).
+    value_norms: bool = False
+    values_from_keys: bool = False
+    layer_scalars: bool = False
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
@@ -209,8 +221,8 @@ class ModelSpec:
                  "granite_swa", "granitemoe_swa", "olmo_hybrid",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
-                 "falcon_h1")
-    IMAGE_TEXT = ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
+                 "falcon_h1", "gemma4_text", "gemma4")
+    IMAGE_TEXT = ("gemma3", "gemma4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe",
@@ -219,7 +231,7 @@ class ModelSpec:
     Qwen3-VL's (dense and experts) and GLM-4.1V's and 4.5V's, whose multimodal rotary
     (``mrope_section``) turns every section by the same position on text, which is the plain
     rotary. Their outer configs say whether the embeddings are tied."""
-    GEMMA = ("gemma", "gemma2", "gemma3_text")
+    GEMMA = ("gemma", "gemma2", "gemma3_text", "gemma4_text")
     # The config's name -> ours.
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu", "relu2": "relu2"}
     OWN_ACTIVATIONS = {"xielu": "apertus", "relu2": "nemotron_h"}
@@ -248,7 +260,19 @@ class ModelSpec:
             return dict(kv_heads=0, head_dim=0, values_in_keys=None)
         if self.latent is not None:
             return dict(kv_heads=1, head_dim=self.latent.cache_dim, values_in_keys=self.latent.kv_rank)
-        return dict(kv_heads=self.num_kv_heads, head_dim=self.head_dim, values_in_keys=None)
+        return dict(kv_heads=self.kv_heads_of(layer), head_dim=self.head_dim_of(layer), values_in_keys=None)
+
+    def _full_heads(self, layer: int) -> bool:
+        return self.full_head_dim is not None and self.window_of(layer) is None
+
+    def head_dim_of(self, layer: int) -> int:
+        """The size of ``layer``'s attention heads (Gemma 4's full layers': ``full_head_dim``)."""
+        return self.full_head_dim if self._full_heads(layer) else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        """How many key and value heads ``layer``'s attention has (Gemma 4's full layers':
+        ``full_kv_heads``)."""
+        return self.full_kv_heads if self._full_heads(layer) else self.num_kv_heads
 
     @property
     def recurrent(self) -> bool:
@@ -272,13 +296,18 @@ class ModelSpec:
 
     @property
     def float16_overflows(self) -> bool:
-        """Gemma 2 and 3: activations outgrow float16's range (vLLM refuses float16 for them too)."""
-        return self.sandwich_norms and self.offset_norms
+        """Gemma 2, 3 and 4: activations outgrow float16's range (vLLM refuses float16 for them too)."""
+        return self.sandwich_norms and self.embed_scale_rounded
 
     @property
     def attention_scale(self) -> float:
         """The factor on query-key dot products."""
         return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    def full_rope(self) -> "ModelSpec":
+        """The spec the full-attention layers' rotary tables come from: this one, its heads
+        Gemma 4's full layers' size where they differ."""
+        return self if self.full_head_dim is None else replace(self, head_dim=self.full_head_dim)
 
     def local_rope(self) -> "ModelSpec | None":
         """The spec the sliding-window layers' rotary tables come from (Gemma 3); None where
@@ -368,7 +397,10 @@ class ModelSpec:
             # others on their language model's.
             tied = tied if cfg.model_type in cls.OUTER_TIE else bool(getattr(cfg, "tie_word_embeddings", False))
         gemma = model_type in cls.GEMMA
-        if getattr(cfg, "use_bidirectional_attention", False):
+        if model_type == "gemma4_text" and hasattr(cfg, "to_dict"):  # as saved: transformers refuses head_dim off a
+            cfg = SimpleNamespace(**cfg.to_dict())  # config whose layers differ in it
+        gemma4 = _gemma4_fields(cfg) if model_type == "gemma4_text" else {}
+        if getattr(cfg, "use_bidirectional_attention", False) and not (gemma4 and cfg.use_bidirectional_attention == "vision"):
             raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
         act = (getattr(cfg, "hidden_activation", None) if gemma else None) or getattr(cfg, "hidden_act", "silu")
         if model_type == "nemotron_h":
@@ -469,12 +501,14 @@ class ModelSpec:
         gated_delta = _gated_delta_fields(cfg) if model_type in cls.GATED_DELTA else {}
         if model_type == "olmo_hybrid":
             gated_delta = _olmo_hybrid_fields(cfg)
-        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "dots1", "exaone4", "lfm2", "lfm2_moe", "lfm3",
+        qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "dots1", "exaone4", "lfm2", "lfm2_moe", "lfm3",
                                   "hunyuan_v1_dense", "apertus", *cls.GATED_DELTA) or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
             query_scale = cfg.query_pre_attn_scalar**-0.5
+        if gemma4:  # its query and key norms set the scores' scale: none after them
+            query_scale = 1.0
         if latent is not None:
             query_scale = latent_scale(latent, scaling)
         # DeepSeek-V2 rotates adjacent pairs as complex numbers, in float32; V3 and GLM-4.7-Flash
@@ -518,8 +552,8 @@ class ModelSpec:
             embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier") or (
                 _multiplier(cfg, "embedding_multiplier") if falcon else None),
             embed_scale_rounded=gemma,
-            offset_norms=gemma or model_type in cls.GATED_DELTA,
-            sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4") or olmo or exaone or (
+            offset_norms=(gemma and not gemma4) or model_type in cls.GATED_DELTA,
+            sandwich_norms=model_type in ("gemma2", "gemma3_text", "gemma4_text", "glm4") or olmo or exaone or (
                 lfm3 and bool(getattr(cfg, "use_sandwich_norm", True))),
             head_gates=lfm3 and bool(getattr(cfg, "use_attention_gate", True)),
             glm_norm_names=model_type == "glm4",
@@ -552,6 +586,7 @@ class ModelSpec:
             **lfm2,
             **gated_delta,
             **mamba,
+            **gemma4,
         )
 
 
@@ -596,6 +631,49 @@ def _lfm2_fields(cfg: Any) -> dict[str, Any]:
             size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
     return dict(conv_layers=tuple(i for i, kind in enumerate(kinds) if kind == "conv"), conv_kernel=kernel,
                 conv_bias=bool(getattr(cfg, "conv_bias", False)), intermediate_size=size)
+
+
+def _gemma4_fields(cfg: Any) -> dict[str, Any]:
+    """Gemma 4's language model (31B's shape): its full layers' heads (``global_head_dim``, and
+    with ``attention_k_eq_v`` ``num_global_key_value_heads`` and values that are the keys'
+    projection), value norms and layer scalars. Its per-layer embeddings, layers reading another
+    layer's keys and values (E2B, E4B) and experts beside the MLP (26B-A4B) are refused by name."""
+    if getattr(cfg, "hidden_size_per_layer_input", None):
+        raise ModelError(f"hidden_size_per_layer_input {cfg.hidden_size_per_layer_input}: Gemma 4's per-layer "
+                         "embeddings (E2B, E4B) are not supported")
+    if getattr(cfg, "num_kv_shared_layers", None):
+        raise ModelError(f"num_kv_shared_layers {cfg.num_kv_shared_layers}: layers that read an earlier layer's keys "
+                         "and values (Gemma 4 E2B, E4B) are not supported")
+    if getattr(cfg, "enable_moe_block", False):
+        raise ModelError("enable_moe_block: Gemma 4's experts beside its MLP (26B-A4B) are not supported")
+    if getattr(cfg, "attention_bias", False):  # none of its releases
+        raise ModelError("attention_bias: Gemma 4 with biased projections is not supported")
+    k_eq_v = bool(getattr(cfg, "attention_k_eq_v", False))
+    # transformers >= 5.25 saves each layer's overrides (its config read as a dict: see
+    # from_hf_config); its releases' configs say global_head_dim and num_global_key_value_heads.
+    per_layer = getattr(cfg, "per_layer_config", None)
+
+    def shape(layer: int, kind: str) -> tuple[int, int]:
+        if per_layer is not None:
+            each = {**per_layer.get(str(layer), {}), **per_layer.get(layer, {})}
+            return each.get("head_dim", cfg.head_dim), each.get("num_key_value_heads", cfg.num_key_value_heads)
+        if kind != "full_attention":
+            return cfg.head_dim, cfg.num_key_value_heads
+        kv = getattr(cfg, "num_global_key_value_heads", None) if k_eq_v else None
+        return getattr(cfg, "global_head_dim", None) or cfg.head_dim, kv or cfg.num_key_value_heads
+
+    shapes = {kind: {shape(i, kind) for i, kind in enumerate(cfg.layer_types) if kind == each}
+              for kind, each in (("full", "full_attention"), ("sliding", "sliding_attention"))}
+    if len(shapes["full"]) > 1 or shapes["sliding"] - {(cfg.head_dim, cfg.num_key_value_heads)}:
+        raise ModelError(f"per_layer_config: heads of {sorted(shapes['full'] | shapes['sliding'])} (head_dim, key and "
+                         "value heads); Gemma 4 is supported with one shape for its full layers and the config's for "
+                         "its sliding ones")
+    full = next(iter(shapes["full"]), None)
+    if full is not None and full[0] % 2:
+        raise ModelError(f"global_head_dim {full[0]} must be even (rotary pairs)")
+    different = full is not None and full != (cfg.head_dim, cfg.num_key_value_heads)
+    return dict(full_head_dim=full[0] if different else None, full_kv_heads=full[1] if different else None,
+                value_norms=True, values_from_keys=k_eq_v, layer_scalars=True)
 
 
 def _olmo_hybrid_fields(cfg: Any) -> dict[str, Any]:
@@ -1066,7 +1144,7 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text", "gpt_oss", "olmo3", "ministral", "exaone4", "cohere2", "lfm3",
+    if model_type in ("gemma2", "gemma3_text", "gemma4_text", "gpt_oss", "olmo3", "ministral", "exaone4", "cohere2", "lfm3",
                       *GRANITE_SWA):
         pattern = getattr(cfg, "sliding_window_pattern", None)
         if types is None and model_type == "exaone4" and isinstance(pattern, str) and pattern:  # "LLLG"
@@ -1294,9 +1372,9 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.kv_heads_of(layer), spec.head_dim_of(layer)
+        self.q_size = spec.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         # Qwen3-Next, Qwen3.5: a gate for every query dimension, after the values (out * sigmoid(gate));
         # LFM3: one for every head.
         self.gate_size = self.q_size if spec.gated_attention else spec.num_heads if spec.head_gates else 0
@@ -1305,14 +1383,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.scale = spec.attention_scale
         self.softcap = spec.attn_softcap
-        self.half = spec.head_dim // 2
+        self.half = self.head_dim // 2
         self.sliding = spec.window_of(layer) is not None
         self.rotates = layer not in spec.nope_layers
         self.whole_qk_norm = spec.qk_norm_whole
         self.norm_after_rotary = spec.qk_norm_after_rotary
-        q_norm, k_norm = (self.q_size, self.kv_size) if self.whole_qk_norm else (spec.head_dim, spec.head_dim)
+        q_norm, k_norm = (self.q_size, self.kv_size) if self.whole_qk_norm else (self.head_dim, self.head_dim)
         if spec.qk_norm_per_head:  # Command R+: a weight of its own for every head
             q_norm, k_norm = (spec.num_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
+        self.value_norm_eps = spec.rms_norm_eps if spec.value_norms else None
         self.q_norm = _norm(spec, q_norm) if spec.qk_norm else None
         self.k_norm = _norm(spec, k_norm) if spec.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
@@ -1339,6 +1418,9 @@ class Attention(nn.Module):
         if q_scale is not None:
             q = q * q_scale
         v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(n, self.num_kv_heads, self.head_dim)
+        if self.value_norm_eps is not None:  # Gemma 4: each value head normalised, no weight (float32, rounded once)
+            f = v.float()
+            v = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.value_norm_eps)).to(v.dtype)
         out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
         if self.gate_size:
             gates = torch.sigmoid(qkv[:, -self.gate_size :])
@@ -1471,6 +1553,8 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = norm() if sandwich else None
         self.mlp_out_norm = norm() if sandwich else None
         self.residual_scale = spec.residual_scale
+        # Gemma 4: the layer's whole output (the residual stream) times its layer_scalar
+        self.scalar = nn.Parameter(torch.ones(1), requires_grad=False) if spec.layer_scalars else None
         if spec.activation == "xielu":
             self.mlp = XieluMLP(spec.hidden_size, spec.intermediate_size)
         elif spec.is_sparse(layer):
@@ -1493,7 +1577,7 @@ class DecoderLayer(nn.Module):
                                  lambda size: PlainMLP(spec.hidden_size, size, spec.mlp_bias))
         else:
             self.mlp = PlainMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
-        self.post_attention_layernorm = self.attn_out_norm = self.mlp_out_norm = None
+        self.post_attention_layernorm = self.attn_out_norm = self.mlp_out_norm = self.scalar = None
         self.parallel, self.residual_scale = False, None
 
     @property
@@ -1515,7 +1599,8 @@ class DecoderLayer(nn.Module):
             return x + h + self.mlp(normed)
         x = x + self._branch(h, self.attn_out_norm)
         h = self.mlp(_normed(self.post_attention_layernorm, x))
-        return x + self._branch(h, self.mlp_out_norm)
+        x = x + self._branch(h, self.mlp_out_norm)
+        return x if self.scalar is None else x * self.scalar
 
     def _branch(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         """A block's output as it joins the residual stream."""
@@ -1546,7 +1631,7 @@ class CausalLM(nn.Module):
         and the sliding-window layers' in ``local_rotary``; Ministral 3's query scales by position
         (``query_scales``, else None)."""
         local = self.spec.local_rope()
-        self.rotary = Rotary(self.spec, max_len)
+        self.rotary = Rotary(self.spec.full_rope(), max_len)
         self.local_rotary = Rotary(local, max_len) if local is not None else None
         scaling = self.spec.query_position_scaling
         scales = query_position_scales(*scaling, max_len) if scaling is not None else None
@@ -1689,6 +1774,8 @@ class CausalLM(nn.Module):
                 weights.copy(layer.mlp_out_norm.weight, p + "post_feedforward_layernorm.weight")
             elif layer.post_attention_layernorm is not None:
                 weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+            if layer.scalar is not None:
+                weights.copy(layer.scalar, p + "layer_scalar")
             if loaded is not None:
                 _all_loaded(layer, p)
                 loaded(layer)
@@ -1714,7 +1801,11 @@ class CausalLM(nn.Module):
         if weights.has(fused):
             qkv = reorder(weights.take(fused))
         else:
-            qkv = self._gated(attn, [weights.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], reorder)
+            names = "qk" if spec.values_from_keys and not attn.sliding else "qkv"
+            parts = [weights.take(p + f"self_attn.{n}_proj.weight") for n in names]
+            if len(parts) == 2:  # Gemma 4's attention_k_eq_v: its full layers' values are the keys' projection
+                parts.append(parts[1])
+            qkv = self._gated(attn, parts, reorder)
             if spec.head_gates:  # LFM3: a gate a head, its own projection's rows after q, k and v
                 qkv = torch.cat((qkv, weights.take(p + "self_attn.g_proj.weight")))
         weights.copy(attn.qkv_proj.weight, fused, qkv)

@@ -73,7 +73,7 @@ def build_engine(config, path: Path, adapters: dict[str, Path] | None = None,  #
         # Runs on the engine thread; the budget needs the weights' size, hence decided here.
         checkpoint = load_checkpoint(path)
         if dtype == torch.float16 and checkpoint.spec.float16_overflows:
-            raise ValueError('dtype = "float16": Gemma 2 and 3 overflow float16 (numerically unstable); '
+            raise ValueError('dtype = "float16": Gemma 2, 3 and 4 overflow float16 (numerically unstable); '
                              'use "bfloat16" or "float32"')
         files = [folder / "adapter_model.safetensors" for folder in options.lora_modules.values()]
         if draft_model is not None:  # its weights' files: about what it takes on the device

@@ -53,7 +53,7 @@ def test_buckets():
 @pytest.mark.parametrize(
     "arch", ["llama", "qwen2", "mistral", "llama-odd", "qwen2-window", "qwen3", "phi3-longrope", "gemma2", "gemma3",
             "smollm3", "granite", "olmo2", "olmo3", "glm4", "ministral3", "ernie4_5", "exaone4", "granite4",
-            "deepseek_v2", "deepseek_v3", "cohere", "cohere2"]
+            "deepseek_v2", "deepseek_v3", "cohere", "cohere2", "gemma4", "gemma4-e"]
 )
 def test_static_decode_matches_transformers_in_a_padded_batch(tmp_path, arch):
     # 5 sequences (padded to 8 rows), contexts from 5 to 60 tokens in blocks of 4 (buckets of
@@ -67,7 +67,8 @@ def test_static_decode_matches_transformers_in_a_padded_batch(tmp_path, arch):
     # past 32 (a table the static path indexes as the eager one does); ernie4_5: interleaved
     # pairs over whole heads, rotated in float32; exaone4: output norms only, a layer without rotary;
     # deepseek_v2 and v3: latent attention (one cached head, values its first dimensions);
-    # cohere: parallel blocks, per-head q/k norm weights; cohere2: a sliding layer, a NoPE one.
+    # cohere: parallel blocks, per-head q/k norm weights; cohere2: a sliding layer, a NoPE one;
+    # gemma4: layers of two head sizes; gemma4-e: per-layer embeddings, layers reading earlier ones' caches.
     folder = tiny_checkpoint(tmp_path / arch, arch)
     engine = static_engine(folder, block_size=4, max_batched_tokens=16, max_num_seqs=16)
     shapes = counting(engine)

@@ -105,6 +105,23 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                           image_size=28, patch_size=14)
             config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
                                   boi_token_index=49149, eoi_token_index=49150, image_token_index=49151)
+    elif arch == "gemma4-e":  # E2B's shape: per-layer embeddings of 8; layers 4 and 5 read layers 2's and 3's keys and
+        # values (num_kv_shared_layers 2), their MLPs twice as wide; heads of 16 and 32, a key head each
+        from transformers import Gemma4TextConfig
+
+        config = Gemma4TextConfig(**{**gemma, "num_hidden_layers": 6, "num_key_value_heads": 1}, head_dim=16,
+                                  global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=8,
+                                  vocab_size_per_layer_input=gemma["vocab_size"], num_kv_shared_layers=2,
+                                  use_double_wide_mlp=True, final_logit_softcapping=6.0,
+                                  layer_types=["sliding_attention", "full_attention"] * 3)
+    elif arch == "gemma4-moe":  # 26B-A4B's shape: gemma4's layers with 4 experts beside each MLP, 2 a token
+        from transformers import Gemma4TextConfig
+
+        config = Gemma4TextConfig(**{**gemma, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32,
+                                  num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                                  hidden_size_per_layer_input=0, final_logit_softcapping=6.0,
+                                  enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                                  layer_types=["sliding_attention", "full_attention"] * 2)
     elif arch in ("gemma4", "gemma4-mm"):  # 31B's shape: layers 0 and 2 slide (a window of 8, heads of 16, base
         # 1e4); the full layers 1 and 3 have heads of 32, one key head whose projection is the values' too, a
         # proportional rotary (a quarter of each head, base 1e6); value norms; capped logits
@@ -509,9 +526,12 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                 p.mul_(2.5)  # ERNIE's (a parameter): as large as the scores, so that it changes choices
             if name.endswith(".sinks"):
                 p.add_(1.0)  # gpt-oss: sinks that take a fair share of each softmax
-            if arch.startswith("gemma4") and name.endswith("norm.weight") and not name.endswith(("q_norm.weight",
-                                                                                                 "k_norm.weight")):
-                p.add_(1.0)  # Gemma 4's norms scale by their weight (not 1 + weight): about 1, as trained
+            if arch.startswith("gemma4") and (name.endswith(("norm.weight", "router.scale", "per_expert_scale")) or
+                                              "layernorm_" in name) and not name.endswith(("q_norm.weight",
+                                                                                           "k_norm.weight")):
+                # Gemma 4's norms scale by their weight (not 1 + weight), its router's input and its experts'
+                # weights by theirs: about 1, as trained
+                p.add_(1.0)
             if arch.startswith(("gemma2", "gemma3", "gemma4")) and name.endswith(("post_attention_layernorm.weight",
                                                                          "post_feedforward_layernorm.weight")):
                 # Gemma 2/3 normalise each block's output before adding it: at a scale of about 1

@@ -80,7 +80,7 @@ would hold about 70M."""
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
+    k: torch.Tensor | None,
     v: torch.Tensor | None,
     meta: AttentionMetadata,
     layer: int,
@@ -89,12 +89,14 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads, dim].
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] (both None: attend to ``layer``'s
+    cache as an earlier layer left it this step, Gemma 4's shared layers). Returns [tokens, heads, dim].
     ``v`` None: the values are the keys' first dimensions, which the value cache views (latent
     attention: the output has the values' width); ``sliding``: the layer attends within the
     model's sliding window (the window masks); ``softcap``: the scores' tanh cap, if any; ``sinks``: the sink logit of each head ``[heads]``."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    if k is not None:  # None: the layer reads ``layer``'s cache, written by that layer this step (Gemma 4)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     if v is not None:
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     decode_mask = meta.decode_window_mask if sliding else meta.decode_mask

@@ -106,7 +106,7 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
     if spec.activation == "xielu":
         return "ungated MLPs with xIELU (Apertus)"
     if spec.value_norms or spec.full_head_dim is not None or spec.layer_scalars:
-        return "Gemma 4's value norms, layer scalars and full layers' heads of their own size"
+        return "Gemma 4's value norms, layer scalars, heads of two sizes, per-layer embeddings and shared caches"
     return None
 
 

@@ -99,9 +99,10 @@ class DecodeGraphs:
         self.kv = kv
         self.device = device
         self.capture = capture
-        k = kv.k[0]
-        # A key and a value (latent attention: one, the values a view of the keys)
-        per_position = (1 if values_in_keys(k, kv.v[0]) else 2) * k.shape[1] * k.shape[2] * k.element_size()
+        # A key and a value (latent attention: one, the values a view of the keys) of the widest
+        # layer (Gemma 4's full layers are wider than its first, sliding one)
+        per_position = max((1 if values_in_keys(k, v) else 2) * k.shape[1] * k.shape[2] * k.element_size()
+                           for k, v in zip(kv.k, kv.v))
         # Key positions one graph may gather per layer (batch x context).
         self.max_gather = max_gather if max_gather is not None else GATHER_BYTES // per_position
         self.batches = batch_buckets(max_batch)
@@ -121,9 +122,10 @@ class DecodeGraphs:
         self.rows = torch.arange(max_batch, **long)
         self.offsets = torch.arange(bs, **long)
         self.key_positions = torch.arange(max_blocks * bs, **long)
-        self.logits_out = (
-            torch.empty(max_batch, model.spec.vocab_size, dtype=k.dtype, device=device) if capture else None
-        )
+        # The logits in the model's dtype, as the eager path returns them (not the cache's, which
+        # kv_cache_dtype may narrow)
+        dtype = model.embed_tokens.weight.dtype
+        self.logits_out = torch.empty(max_batch, model.spec.vocab_size, dtype=dtype, device=device) if capture else None
         self.graphs: dict[tuple[int, int], Any] = {}
         self.failed: set[tuple[int, int]] = set()  # shapes whose capture failed: eager
         self._pool: Any = None

@@ -88,8 +88,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
                    "Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1) are not supported")
     if spec.activation == "xielu":  # no gate_up_proj to add to
         raise fail("adapters of a model with ungated MLPs (Apertus) are not supported")
-    if spec.full_head_dim is not None or spec.values_from_keys:  # q, k and v sized layer by layer; no v_proj
-        raise fail("adapters of Gemma 4 (its full layers' heads of their own size) are not supported")
+    if spec.value_norms:  # q, k and v sized layer by layer, some layers without k and v (their own or at all)
+        raise fail("adapters of Gemma 4 are not supported")
     targets, rows = _targets(spec), spec.qkv_row_order()
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:

@@ -212,6 +212,20 @@ class ModelSpec:
     value_norms: bool = False
     values_from_keys: bool = False
     layer_scalars: bool = False
+    # Gemma 4's experts (26B-A4B) run beside each layer's MLP, with norms of their own; their router
+    # reads the residual RMS-normalised (no weight) times a learned scale and hidden_size ** -0.5,
+    # and the chosen weights are multiplied by each expert's learned scale (scaled_router).
+    experts_beside_mlp: bool = False
+    scaled_router: bool = False
+    # Gemma 4 E2B and E4B: per-layer embeddings of per_layer_input_size per layer (a table of
+    # per_layer_vocab tokens, plus a projection of the embeddings), each layer's gated into its
+    # output; the layers kv_sources names (layer, source) read an earlier layer's keys and values
+    # from its cache and keep none (num_kv_shared_layers), their MLPs twice as wide where
+    # use_double_wide_mlp (wide_mlp_layers).
+    per_layer_input_size: int = 0
+    per_layer_vocab: int = 0
+    kv_sources: tuple[tuple[int, int], ...] = ()
+    wide_mlp_layers: tuple[int, ...] = ()
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                  "gemma", "gemma2", "gemma3_text", "gemma3", "gpt_oss", "smollm3", "granite", "granitemoe", "olmo2",
@@ -254,6 +268,8 @@ class ModelSpec:
         linear-attention layer."""
         if layer in self.conv_layers:
             return dict(kv_heads=1, head_dim=self.hidden_size, values_in_keys=0)
+        if self.kv_source(layer) != layer:  # Gemma 4's shared layers: an earlier layer's cache
+            return dict(kv_heads=0, head_dim=0, values_in_keys=None)
         if (layer in self.linear_layers and not self.parallel_mamba) or (
                 self.block_kinds and self.block_kinds[layer] != "attention"):
             # nothing a token: the layer's state is the sequence's (state.py), or it is an MLP block
@@ -261,6 +277,15 @@ class ModelSpec:
         if self.latent is not None:
             return dict(kv_heads=1, head_dim=self.latent.cache_dim, values_in_keys=self.latent.kv_rank)
         return dict(kv_heads=self.kv_heads_of(layer), head_dim=self.head_dim_of(layer), values_in_keys=None)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cached keys and values ``layer`` attends to: itself, or for Gemma 4's
+        shared layers the last earlier layer of its kind that keeps its own."""
+        return dict(self.kv_sources).get(layer, layer)
+
+    def intermediate_of(self, layer: int) -> int:
+        """The width of ``layer``'s MLP (Gemma 4's shared layers: twice it with use_double_wide_mlp)."""
+        return 2 * self.intermediate_size if layer in self.wide_mlp_layers else self.intermediate_size
 
     def _full_heads(self, layer: int) -> bool:
         return self.full_head_dim is not None and self.window_of(layer) is None
@@ -634,28 +659,41 @@ def _lfm2_fields(cfg: Any) -> dict[str, Any]:
 
 
 def _gemma4_fields(cfg: Any) -> dict[str, Any]:
-    """Gemma 4's language model (31B's shape): its full layers' heads (``global_head_dim``, and
-    with ``attention_k_eq_v`` ``num_global_key_value_heads`` and values that are the keys'
-    projection), value norms and layer scalars. Its per-layer embeddings, layers reading another
-    layer's keys and values (E2B, E4B) and experts beside the MLP (26B-A4B) are refused by name."""
-    if getattr(cfg, "hidden_size_per_layer_input", None):
-        raise ModelError(f"hidden_size_per_layer_input {cfg.hidden_size_per_layer_input}: Gemma 4's per-layer "
-                         "embeddings (E2B, E4B) are not supported")
-    if getattr(cfg, "num_kv_shared_layers", None):
-        raise ModelError(f"num_kv_shared_layers {cfg.num_kv_shared_layers}: layers that read an earlier layer's keys "
-                         "and values (Gemma 4 E2B, E4B) are not supported")
-    if getattr(cfg, "enable_moe_block", False):
-        raise ModelError("enable_moe_block: Gemma 4's experts beside its MLP (26B-A4B) are not supported")
+    """Gemma 4's language model: its full layers' heads (``global_head_dim``, and with
+    ``attention_k_eq_v`` ``num_global_key_value_heads`` and values that are the keys'
+    projection), value norms and layer scalars; 26B-A4B's experts beside the MLP; E2B's and E4B's
+    per-layer embeddings, shared layers (reading an earlier layer's keys and values) and their
+    double-wide MLPs."""
+    shared = dict(per_layer_input_size=int(getattr(cfg, "hidden_size_per_layer_input", None) or 0))
+    if shared["per_layer_input_size"]:  # E2B, E4B: per-layer embeddings
+        vocab = int(getattr(cfg, "vocab_size_per_layer_input", None) or cfg.vocab_size)
+        if vocab < cfg.vocab_size:  # transformers would index past the table
+            raise ModelError(f"vocab_size_per_layer_input {vocab} must be at least vocab_size {cfg.vocab_size}")
+        shared["per_layer_vocab"] = vocab
+    sources = _gemma4_kv_sources(cfg)
+    shared["kv_sources"] = sources
+    if getattr(cfg, "use_double_wide_mlp", False):
+        shared["wide_mlp_layers"] = tuple(layer for layer, _ in sources)
+    experts = {}
+    if getattr(cfg, "enable_moe_block", False):  # 26B-A4B: experts beside every layer's MLP
+        count = cfg.num_experts or 0
+        if not count or not 1 <= (cfg.top_k_experts or 0) <= count or not cfg.moe_intermediate_size:
+            raise ModelError(f"enable_moe_block needs num_experts ({cfg.num_experts}), top_k_experts from 1 to "
+                             f"num_experts ({cfg.top_k_experts}) and moe_intermediate_size ({cfg.moe_intermediate_size})")
+        experts = dict(num_experts=count, experts_per_token=cfg.top_k_experts, expert_size=cfg.moe_intermediate_size,
+                       normalize_routing=True, float_routing_weights=True, experts_beside_mlp=True, scaled_router=True)
     if getattr(cfg, "attention_bias", False):  # none of its releases
         raise ModelError("attention_bias: Gemma 4 with biased projections is not supported")
     k_eq_v = bool(getattr(cfg, "attention_k_eq_v", False))
     # transformers >= 5.25 saves each layer's overrides (its config read as a dict: see
     # from_hf_config); its releases' configs say global_head_dim and num_global_key_value_heads.
     per_layer = getattr(cfg, "per_layer_config", None)
+    if per_layer is not None:  # keyed by layer as saved: "05" among 30 layers (zero-padded), or 5
+        per_layer = {int(key): value for key, value in per_layer.items()}
 
     def shape(layer: int, kind: str) -> tuple[int, int]:
         if per_layer is not None:
-            each = {**per_layer.get(str(layer), {}), **per_layer.get(layer, {})}
+            each = per_layer.get(layer, {})
             return each.get("head_dim", cfg.head_dim), each.get("num_key_value_heads", cfg.num_key_value_heads)
         if kind != "full_attention":
             return cfg.head_dim, cfg.num_key_value_heads
@@ -673,7 +711,24 @@ def _gemma4_fields(cfg: Any) -> dict[str, Any]:
         raise ModelError(f"global_head_dim {full[0]} must be even (rotary pairs)")
     different = full is not None and full != (cfg.head_dim, cfg.num_key_value_heads)
     return dict(full_head_dim=full[0] if different else None, full_kv_heads=full[1] if different else None,
-                value_norms=True, values_from_keys=k_eq_v, layer_scalars=True)
+                value_norms=True, values_from_keys=k_eq_v, layer_scalars=True, **experts, **shared)
+
+
+def _gemma4_kv_sources(cfg: Any) -> tuple[tuple[int, int], ...]:
+    """Gemma 4's last ``num_kv_shared_layers`` layers, each with the layer whose keys and values
+    it reads: the last of its kind before them, as transformers' kv_sharing_modes pairs them."""
+    shared, kinds = int(getattr(cfg, "num_kv_shared_layers", None) or 0), list(cfg.layer_types)
+    first = len(kinds) - shared
+    if not 0 <= shared < len(kinds):
+        raise ModelError(f"num_kv_shared_layers {shared} must leave some of the {len(kinds)} layers their own keys and values")
+    pairs = []
+    for layer in range(first, len(kinds)):
+        source = next((j for j in range(first - 1, -1, -1) if kinds[j] == kinds[layer]), None)
+        if source is None:
+            raise ModelError(f"num_kv_shared_layers {shared}: layer {layer} ({kinds[layer]}) has no earlier layer of its "
+                             "kind whose keys and values it could read")
+        pairs.append((layer, source))
+    return tuple(pairs)
 
 
 def _olmo_hybrid_fields(cfg: Any) -> dict[str, Any]:
@@ -1378,6 +1433,10 @@ class Attention(nn.Module):
         # Qwen3-Next, Qwen3.5: a gate for every query dimension, after the values (out * sigmoid(gate));
         # LFM3: one for every head.
         self.gate_size = self.q_size if spec.gated_attention else spec.num_heads if spec.head_gates else 0
+        # Gemma 4's shared layers: queries alone, attending to an earlier layer's cache.
+        self.kv_source = spec.kv_source(layer)
+        if self.kv_source != layer:
+            self.kv_size = 0
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
@@ -1393,7 +1452,7 @@ class Attention(nn.Module):
             q_norm, k_norm = (spec.num_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
         self.value_norm_eps = spec.rms_norm_eps if spec.value_norms else None
         self.q_norm = _norm(spec, q_norm) if spec.qk_norm else None
-        self.k_norm = _norm(spec, k_norm) if spec.qk_norm else None
+        self.k_norm = _norm(spec, k_norm) if spec.qk_norm and self.kv_size else None
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
 
     def forward(
@@ -1403,6 +1462,12 @@ class Attention(nn.Module):
         """``q_scale``: each row's factor on its rotated query ``[n, 1, 1]`` (Ministral 3), or None."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if not self.kv_size:  # Gemma 4's shared layers: the queries over an earlier layer's keys and values
+            q = qkv.view(n, self.num_heads, self.head_dim)
+            q = self.q_norm(q) if self.q_norm is not None else q
+            q = apply_rotary(q, *rope, self.half).to(qkv.dtype) if self.rotates else q
+            out = paged_attention(q, None, None, meta, self.kv_source, self.scale, self.sliding, self.softcap, self.sinks)
+            return self.o_proj(out.reshape(n, self.q_size))
         if self.whole_qk_norm:  # OLMo: each projection normalised as one vector
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view(n, -1, self.head_dim)
@@ -1530,6 +1595,7 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | SparseMoE | XieluMLP | PlainMLP | None
         self.block = spec.block_kinds[layer] if spec.block_kinds else None
         self.mamba = None  # Falcon-H1's Mamba2 mixer beside the attention
+        self.moe = None  # Gemma 4's experts beside the MLP
         if self.block is not None:  # Nemotron-H: one block, one kind
             self._single_block(spec, layer)
             return
@@ -1557,12 +1623,22 @@ class DecoderLayer(nn.Module):
         self.scalar = nn.Parameter(torch.ones(1), requires_grad=False) if spec.layer_scalars else None
         if spec.activation == "xielu":
             self.mlp = XieluMLP(spec.hidden_size, spec.intermediate_size)
-        elif spec.is_sparse(layer):
+        elif spec.is_sparse(layer) and not spec.experts_beside_mlp:
             self.mlp = SparseMoE(spec, lambda size: MLP(
                 spec.hidden_size, size, spec.expert_bias, spec.activation, spec.clamped_swiglu
             ))
         else:
-            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.activation)
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_of(layer), spec.mlp_bias, spec.activation)
+        self.per_layer_gate = self.per_layer_up = self.per_layer_norm = None
+        if spec.per_layer_input_size:  # Gemma 4 E2B, E4B: the layer's own embedding gates a residual branch
+            self.per_layer_gate = nn.Linear(spec.hidden_size, spec.per_layer_input_size, bias=False)
+            self.per_layer_up = nn.Linear(spec.per_layer_input_size, spec.hidden_size, bias=False)
+            self.per_layer_norm = norm()
+            self.per_layer_gelu = spec.activation == "gelu_tanh"  # the config's hidden_activation, as the MLP's
+        if spec.experts_beside_mlp and spec.is_sparse(layer):  # Gemma 4: the input, the MLP's and the experts'
+            # outputs normed apart (pre_feedforward_layernorm_2, post_feedforward_layernorm_1 and _2)
+            self.moe = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size, False, spec.activation))
+            self.moe_in_norm, self.dense_out_norm, self.moe_out_norm = norm(), norm(), norm()
 
     def _single_block(self, spec: ModelSpec, layer: int) -> None:
         """A Nemotron-H block: its norm, then its one mixer (Mamba2, attention) or MLP (ungated,
@@ -1587,8 +1663,9 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-        q_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None, per_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``per_layer``: the layer's per-layer embedding of each row (Gemma 4 E2B, E4B), or None."""
         normed = _normed(self.input_layernorm, x)
         if self.block is not None:  # one block: its mixer or its MLP, added to the residual
             return x + (self.self_attn(normed, rope, meta, q_scale) if self.self_attn is not None else self.mlp(normed))
@@ -1599,7 +1676,13 @@ class DecoderLayer(nn.Module):
             return x + h + self.mlp(normed)
         x = x + self._branch(h, self.attn_out_norm)
         h = self.mlp(_normed(self.post_attention_layernorm, x))
+        if self.moe is not None:  # Gemma 4: the experts' output beside the MLP's, routed from the residual
+            h = self.dense_out_norm(h) + self.moe_out_norm(self.moe(self.moe_in_norm(x), routed=x))
         x = x + self._branch(h, self.mlp_out_norm)
+        if self.per_layer_gate is not None:  # Gemma 4 E2B, E4B: act(gate(x)) times the layer's embedding, back up
+            gate = self.per_layer_gate(x)
+            h = (F.gelu(gate, approximate="tanh") if self.per_layer_gelu else F.silu(gate)) * per_layer
+            x = x + self.per_layer_norm(self.per_layer_up(h))
         return x if self.scalar is None else x * self.scalar
 
     def _branch(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
@@ -1623,6 +1706,12 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = _norm(spec, spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.per_layer_embed = self.per_layer_projection = self.per_layer_norm = None
+        if spec.per_layer_input_size:  # Gemma 4 E2B, E4B: every layer's embedding of a token in one row
+            width = spec.num_layers * spec.per_layer_input_size
+            self.per_layer_embed = nn.Embedding(spec.per_layer_vocab, width)
+            self.per_layer_projection = nn.Linear(spec.hidden_size, width, bias=False)
+            self.per_layer_norm = _norm(spec, spec.per_layer_input_size)
         self._rotaries(max_len)
         self._embed_scales: dict[torch.dtype, float] = {}
 
@@ -1647,6 +1736,17 @@ class CausalLM(nn.Module):
         if scale is None:
             scale = self._embed_scales[dtype] = float(torch.tensor(self.spec.embed_scale).to(dtype))
         return scale
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer embeddings ``[tokens, layers, size]`` of the tokens whose scaled
+        embeddings are ``x``: the table's rows (times sqrt(size), rounded as the embeddings'
+        factor is) and a normed projection of ``x`` (times hidden_size ** -0.5), their sum times
+        2 ** -0.5, as transformers computes them."""
+        spec = self.spec
+        shape = (x.shape[0], spec.num_layers, spec.per_layer_input_size)
+        table = self.per_layer_embed(input_ids) * float(torch.tensor(spec.per_layer_input_size**0.5).to(x.dtype))
+        projected = self.per_layer_norm((self.per_layer_projection(x) * spec.hidden_size**-0.5).view(shape))
+        return (projected + table.view(shape)) * 2**-0.5
 
     def final_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The LM head's output as the model gives it: Gemma 2's cap (``cap * tanh(logits /
@@ -1697,8 +1797,9 @@ class CausalLM(nn.Module):
         q_scale = None
         if self.query_scales is not None:
             q_scale = self.query_scales[positions].to(x.dtype)[:, None, None]
-        for layer in self.layers:
-            x = layer(x, local if layer.sliding else rope, meta, q_scale)
+        per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_embed is not None else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, local if layer.sliding else rope, meta, q_scale, per_layer[:, i] if per_layer is not None else None)
         # Only rows that sample need the (large) vocabulary projection.
         return self.final_logits(self.lm_head(self.norm(x[logits_rows])))
 
@@ -1752,7 +1853,7 @@ class CausalLM(nn.Module):
             else:
                 load_mlp(layer.mlp, p + "mlp.", weights)
             if spec.qk_norm and isinstance(attn, Attention):
-                for name in ("q_norm", "k_norm"):
+                for name in ("q_norm", "k_norm") if attn.k_norm is not None else ("q_norm",):
                     norm = weights.take(p + f"self_attn.{name}.weight")
                     if layout is not None and spec.qk_norm_per_head:  # [heads, head_dim]
                         norm = norm[:, layout]
@@ -1774,12 +1875,26 @@ class CausalLM(nn.Module):
                 weights.copy(layer.mlp_out_norm.weight, p + "post_feedforward_layernorm.weight")
             elif layer.post_attention_layernorm is not None:
                 weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+            if layer.moe is not None:  # Gemma 4's, under the layer itself
+                layer.moe.load(p, weights)
+                for norm, name in ((layer.moe_in_norm, "pre_feedforward_layernorm_2"),
+                                   (layer.dense_out_norm, "post_feedforward_layernorm_1"),
+                                   (layer.moe_out_norm, "post_feedforward_layernorm_2")):
+                    weights.copy(norm.weight, p + name + ".weight")
+            if layer.per_layer_gate is not None:
+                weights.copy(layer.per_layer_gate.weight, p + "per_layer_input_gate.weight")
+                weights.copy(layer.per_layer_up.weight, p + "per_layer_projection.weight")
+                weights.copy(layer.per_layer_norm.weight, p + "post_per_layer_input_norm.weight")
             if layer.scalar is not None:
                 weights.copy(layer.scalar, p + "layer_scalar")
             if loaded is not None:
                 _all_loaded(layer, p)
                 loaded(layer)
         weights.copy(self.norm.weight, "norm.weight")
+        if self.per_layer_embed is not None:
+            weights.copy(self.per_layer_embed.weight, "embed_tokens_per_layer.weight")
+            weights.copy(self.per_layer_projection.weight, "per_layer_model_projection.weight")
+            weights.copy(self.per_layer_norm.weight, "per_layer_projection_norm.weight")
         # Every expert the config has was taken; the layers past the last (GLM-4.5's multi-token
         # prediction layer) and the tensors of no decoder layer (ERNIE 4.5's mtp_block), which
         # the engine does not run, are left unread.
@@ -1801,7 +1916,7 @@ class CausalLM(nn.Module):
         if weights.has(fused):
             qkv = reorder(weights.take(fused))
         else:
-            names = "qk" if spec.values_from_keys and not attn.sliding else "qkv"
+            names = "q" if not attn.kv_size else "qk" if spec.values_from_keys and not attn.sliding else "qkv"
             parts = [weights.take(p + f"self_attn.{n}_proj.weight") for n in names]
             if len(parts) == 2:  # Gemma 4's attention_k_eq_v: its full layers' values are the keys' projection
                 parts.append(parts[1])

@@ -11,7 +11,9 @@ its top-k logits too, with no bias. GLM-4.5, dots.llm1 and MiniMax-M2 route as D
 sigmoid scores, plus a learned bias to choose the experts (not to weight them), among the best
 groups of experts where the config has groups, the weights times ``routed_scaling_factor``;
 ERNIE 4.5 the same from softmax scores. DeepSeek-V2 chooses by softmax scores alone, in groups
-scored by their best expert. Their shared experts are added ungated. Numerics follow Hugging Face's
+scored by their best expert. Their shared experts are added ungated. Gemma 4's experts run beside
+each layer's MLP: softmax scores of its scaled router, renormalised over the chosen ones, each
+times its expert's learned scale. Numerics follow Hugging Face's
 implementation (transformers 5's grouped experts, what ``from_pretrained`` runs): the softmax in
 float32 (gpt-oss's in the logits' dtype), the same top-k, each (token, slot) pair's weighted
 output kept apart and the slots summed once per token, Mixtral's weights in float32 and the
@@ -67,6 +69,12 @@ class SparseMoE(nn.Module):
         self.float_router = spec.float_router
         self.scores_in_model_dtype = spec.scores_in_model_dtype  # LFM2-MoE's
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
+        # Gemma 4's router: its input RMS-normalised (no weight) times input_scale and hidden_size ** -0.5;
+        # the chosen experts' weights times their expert_scale.
+        scaled = spec.scaled_router
+        self.input_scale = nn.Parameter(torch.ones(spec.hidden_size), requires_grad=False) if scaled else None
+        self.expert_scale = nn.Parameter(torch.ones(spec.num_experts), requires_grad=False) if scaled else None
+        self.eps, self.root = spec.rms_norm_eps, spec.hidden_size**-0.5
         # DeepSeek-V3's e_score_correction_bias: added to the scores to choose experts only.
         self.choice_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False) if spec.routing_bias else None
         self.experts = nn.ModuleList(expert(spec.expert_size) for _ in range(spec.num_experts))
@@ -92,6 +100,9 @@ class SparseMoE(nn.Module):
             # In the logits' dtype: torch computes it in float32 and rounds once, as Granite-MoE's
             # float32 softmax then cast (the same bits, tested).
             return F.softmax(logits, dim=-1, dtype=logits.dtype).to(x.dtype), chosen
+        if self.input_scale is not None:  # Gemma 4: normalised in float32, rounded, then scaled in x's dtype
+            f = x.float()
+            x = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.input_scale * self.root
         logits = self.gate(x.float()) if self.float_router else self.gate(x)
         if self.sigmoid:
             scores = torch.sigmoid(logits if self.scores_in_model_dtype else logits.float())
@@ -108,6 +119,8 @@ class SparseMoE(nn.Module):
             weights = weights / (total + 1e-6 if self.scores_in_model_dtype else total)
         if self.routed_scale is not None:
             weights = weights * self.routed_scale
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[chosen]
         return (weights if self.float_weights else weights.to(x.dtype)), chosen
 
     def _choice(self, biased: torch.Tensor) -> torch.Tensor:
@@ -122,8 +135,10 @@ class SparseMoE(nn.Module):
         dropped = torch.ones_like(best, dtype=torch.bool).scatter_(1, best.topk(kept, dim=-1).indices, False)
         return grouped.masked_fill(dropped[..., None], float("-inf")).view(-1, self.num_experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self.route(x)
+    def forward(self, x: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output for ``x``, routed by ``routed`` where given (Gemma 4: the residual,
+        its experts reading a normed copy), else by ``x``."""
+        weights, chosen = self.route(x if routed is None else routed)
         flat = chosen.flatten()
         # (token, slot) pairs grouped by expert: each expert's rows in one matmul.
         order = flat.argsort(stable=True)
@@ -159,6 +174,10 @@ class SparseMoE(nn.Module):
         routers = ("gate.weight", "router.weight", "router.layer.weight")
         moe = sparse if any(state.has(sparse + r) for r in routers) else prefix + "mlp."
         router = moe + ("router.layer." if granite else "router." if state.has(moe + "router.weight") else "gate.")
+        if self.input_scale is not None:  # Gemma 4's: under the layer, beside its mlp
+            moe, router = prefix, prefix + "router.proj."
+            state.copy(self.input_scale, prefix + "router.scale")
+            state.copy(self.expert_scale, prefix + "router.per_expert_scale")
         state.copy(self.gate.weight, router + "weight")
         if self.gate.bias is not None:
             state.copy(self.gate.bias, router + "bias")

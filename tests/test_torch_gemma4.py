@@ -225,6 +225,7 @@ def test_per_layer_embeddings_and_layers_reading_earlier_layers_caches(checkpoin
     ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 5, "moe_intermediate_size": 8},
      r"enable_moe_block needs num_experts \(4\), top_k_experts from 1 to num_experts \(5\)"),
     ({"attention_bias": True}, "attention_bias: Gemma 4 with biased projections"),
+    ({"sliding_window": 0}, "sliding_window null: Gemma 4's sliding_attention layers need a window"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
 ])
 def test_what_is_refused_by_name(changes, message):

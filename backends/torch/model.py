@@ -684,6 +684,9 @@ def _gemma4_fields(cfg: Any) -> dict[str, Any]:
                        normalize_routing=True, float_routing_weights=True, experts_beside_mlp=True, scaled_router=True)
     if getattr(cfg, "attention_bias", False):  # none of its releases
         raise ModelError("attention_bias: Gemma 4 with biased projections is not supported")
+    if "sliding_attention" in cfg.layer_types and not getattr(cfg, "sliding_window", None):
+        # its sliding layers would attend to everything, with full layers' heads: none of its releases
+        raise ModelError("sliding_window null: Gemma 4's sliding_attention layers need a window")
     k_eq_v = bool(getattr(cfg, "attention_k_eq_v", False))
     # transformers >= 5.25 saves each layer's overrides (its config read as a dict: see
     # from_hf_config); its releases' configs say global_head_dim and num_global_key_value_heads.
@@ -1392,12 +1395,13 @@ def query_position_scales(beta: float, original: int, max_len: int) -> torch.Ten
 class RMSNorm(nn.Module):
     """``x / rms(x)`` times a weight per dimension: Llama's (the normalised ``x`` rounded to the
     model's dtype, then scaled), with ``float_scale`` gpt-oss's (scaled in float32, rounded once),
-    or with ``offset`` Gemma's (scaled by ``1 + weight`` in float32, rounded once)."""
+    or with ``offset`` Gemma's (scaled by ``1 + weight`` in float32, rounded once); ``weighted``
+    False: no weight (Gemma 4's value norms and router input), normalised in float32, rounded once."""
 
     def __init__(self, size: int | tuple[int, ...], eps: float, offset: bool = False, float_scale: bool = False,
-                 centered: bool = False) -> None:
+                 centered: bool = False, weighted: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(size)) if weighted else None
         self.eps = eps
         self.offset = offset
         self.float_scale = float_scale or offset or centered
@@ -1409,6 +1413,8 @@ class RMSNorm(nn.Module):
         if self.centered:  # Cohere's LayerNorm (no bias): the deviation from the mean, normalised
             x = x - x.mean(-1, keepdim=True)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is None:
+            return x.to(dtype)
         if self.float_scale:
             return (x * self.scale()).to(dtype)
         return self.weight * x.to(dtype)
@@ -1450,7 +1456,7 @@ class Attention(nn.Module):
         q_norm, k_norm = (self.q_size, self.kv_size) if self.whole_qk_norm else (self.head_dim, self.head_dim)
         if spec.qk_norm_per_head:  # Command R+: a weight of its own for every head
             q_norm, k_norm = (spec.num_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
-        self.value_norm_eps = spec.rms_norm_eps if spec.value_norms else None
+        self.v_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, weighted=False) if spec.value_norms else None
         self.q_norm = _norm(spec, q_norm) if spec.qk_norm else None
         self.k_norm = _norm(spec, k_norm) if spec.qk_norm and self.kv_size else None
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
@@ -1483,9 +1489,8 @@ class Attention(nn.Module):
         if q_scale is not None:
             q = q * q_scale
         v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(n, self.num_kv_heads, self.head_dim)
-        if self.value_norm_eps is not None:  # Gemma 4: each value head normalised, no weight (float32, rounded once)
-            f = v.float()
-            v = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.value_norm_eps)).to(v.dtype)
+        if self.v_norm is not None:  # Gemma 4: each value head normalised, no weight
+            v = self.v_norm(v)
         out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
         if self.gate_size:
             gates = torch.sigmoid(qkv[:, -self.gate_size :])
@@ -1637,7 +1642,8 @@ class DecoderLayer(nn.Module):
             self.per_layer_gelu = spec.activation == "gelu_tanh"  # the config's hidden_activation, as the MLP's
         if spec.experts_beside_mlp and spec.is_sparse(layer):  # Gemma 4: the input, the MLP's and the experts'
             # outputs normed apart (pre_feedforward_layernorm_2, post_feedforward_layernorm_1 and _2)
-            self.moe = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size, False, spec.activation))
+            self.moe = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size, False, spec.activation),
+                                 router_norm=RMSNorm(spec.hidden_size, spec.rms_norm_eps, weighted=False))
             self.moe_in_norm, self.dense_out_norm, self.moe_out_norm = norm(), norm(), norm()
 
     def _single_block(self, spec: ModelSpec, layer: int) -> None:

@@ -57,7 +57,7 @@ class SparseMoE(nn.Module):
     the shared expert's where it differs (Nemotron-H's has ``mlp_bias``, its routed ones never)."""
 
     def __init__(self, spec: ModelSpec, expert: Callable[[int], nn.Module],
-                 shared: Callable[[int], nn.Module] | None = None) -> None:
+                 shared: Callable[[int], nn.Module] | None = None, router_norm: nn.Module | None = None) -> None:
         super().__init__()
         self.num_experts, self.top_k = spec.num_experts, spec.experts_per_token
         self.normalize = spec.normalize_routing
@@ -69,12 +69,15 @@ class SparseMoE(nn.Module):
         self.float_router = spec.float_router
         self.scores_in_model_dtype = spec.scores_in_model_dtype  # LFM2-MoE's
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
-        # Gemma 4's router: its input RMS-normalised (no weight) times input_scale and hidden_size ** -0.5;
-        # the chosen experts' weights times their expert_scale.
+        # Gemma 4's router: its input through router_norm (an RMSNorm without weight) times input_scale
+        # and hidden_size ** -0.5; the chosen experts' weights times their expert_scale.
         scaled = spec.scaled_router
+        if scaled and router_norm is None:
+            raise ValueError("a scaled router needs its router_norm")
+        self.router_norm = router_norm
         self.input_scale = nn.Parameter(torch.ones(spec.hidden_size), requires_grad=False) if scaled else None
         self.expert_scale = nn.Parameter(torch.ones(spec.num_experts), requires_grad=False) if scaled else None
-        self.eps, self.root = spec.rms_norm_eps, spec.hidden_size**-0.5
+        self.root = spec.hidden_size**-0.5
         # DeepSeek-V3's e_score_correction_bias: added to the scores to choose experts only.
         self.choice_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False) if spec.routing_bias else None
         self.experts = nn.ModuleList(expert(spec.expert_size) for _ in range(spec.num_experts))
@@ -100,9 +103,8 @@ class SparseMoE(nn.Module):
             # In the logits' dtype: torch computes it in float32 and rounds once, as Granite-MoE's
             # float32 softmax then cast (the same bits, tested).
             return F.softmax(logits, dim=-1, dtype=logits.dtype).to(x.dtype), chosen
-        if self.input_scale is not None:  # Gemma 4: normalised in float32, rounded, then scaled in x's dtype
-            f = x.float()
-            x = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.input_scale * self.root
+        if self.input_scale is not None:  # Gemma 4: normalised, rounded, then scaled in x's dtype
+            x = self.router_norm(x) * self.input_scale * self.root
         logits = self.gate(x.float()) if self.float_router else self.gate(x)
         if self.sigmoid:
             scores = torch.sigmoid(logits if self.scores_in_model_dtype else logits.float())

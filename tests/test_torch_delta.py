@@ -25,7 +25,8 @@ from test_torch_engine import (
     assert_greedy_matches_transformers, assert_preemption_and_cancelling, assert_prefix_hits_match_no_cache,
     engine_for, generate, random_prompts, run, small_steps_engine,
 )
-from test_torch_gemma import assert_prompt_logprobs_match_transformers, packed_torch_path_distance
+from test_torch_gemma import (assert_prompt_logprobs_match_transformers, distance, hf_prompt_logprobs,
+                              packed_torch_path_distance, prompt_logprobs)
 from torch_models import assert_built_with_config_refused, hf_greedy, tiny_checkpoint, write_lora
 
 ARCHS = ["qwen3_next", "qwen3_5-mm", "qwen3_5_moe-mm", "granite4-hybrid", "granite4-hybrid-moe", "bamba", "nemotron_h",
@@ -183,6 +184,26 @@ def test_a_shared_system_prompt_seen_twice_keeps_its_state_where_its_blocks_end(
         run(engine.stop())
     assert [cached for _, cached in got] == [0, 0, 36, 36]
     assert [out for out, _ in got] == [hf_greedy(delta, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_a_prompt_scoring_itself_keeps_a_shared_system_prompts_state_too(arch, tmp_path):
+    """As above, the second prompt asking for its prompt's logprobs (so it skips no cached block:
+    every position's logits score it): it still keeps the state where the shared blocks end, and
+    the third starts there. Outputs transformers'; the scores the same as a lone engine's."""
+    folder = tiny_checkpoint(tmp_path / arch, arch)
+    system = random_prompts(21, (38,))[0]
+    prompts = [system + tail for tail in random_prompts(22, (7, 7, 7))]
+    engine = engine_for(folder, block_size=4, max_batched_tokens=64, max_num_seqs=4)
+    try:
+        first = run(generate(engine, prompts[0], 6))
+        scored = run(prompt_logprobs(engine, prompts[1]))
+        third = run(generate(engine, prompts[2], 6))
+    finally:
+        run(engine.stop())
+    assert first[1] == 0 and third[1] == 36
+    assert third[0] == hf_greedy(folder, prompts[2], 6)
+    assert distance(scored, hf_prompt_logprobs(folder, prompts[1])) < 1e-4
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])

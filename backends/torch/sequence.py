@@ -119,14 +119,17 @@ class Sequence:
         end to be kept as this prompt passes it, so that the next prompt sharing them starts there.
         """
         bs = self.block_size
-        limit = (len(self.tokens) - 1) // bs
-        if self.prompt_logprobs is not None:
-            limit = min(limit, len(self.prompt_logprobs) // bs)
-        found: list[int] = []
-        while len(found) < limit and (block := pool.lookup(self.block_hash(len(found)))) is not None:
-            found.append(block)
+        full = (len(self.tokens) - 1) // bs
+        limit = full if self.prompt_logprobs is None else min(full, len(self.prompt_logprobs) // bs)
+        # With states, the cached run is looked up past what a prompt scoring itself may skip: a
+        # shared boundary is kept whichever way this prompt computes its tokens.
+        cached: list[int] = []
+        while len(cached) < (full if states is not None else limit) and (
+                block := pool.lookup(self.block_hash(len(cached)))) is not None:
+            cached.append(block)
+        found = cached[:limit]
         if states is not None:
-            shared = len(found) * bs
+            shared = len(cached) * bs
             while found and (restore := states.lookup(self.block_hash(len(found) - 1))) is None:
                 found.pop()
             self.restore_from = restore if found else None

@@ -190,18 +190,18 @@ def load_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(spec, _safetensors_weights(path, rename), HFTokenizer(hf_tok, eos), template)
 
 
+_LFM_MLP_NAMES = ((".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
+                  (".feed_forward.w2.", ".mlp.down_proj."), ("model.embedding_norm.", "model.norm."))
+"""The MLP and final norm of LFM2 and LFM3."""
+
 _LFM2_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
                (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
-               (".k_layernorm.", ".k_norm."), (".feed_forward.w1.", ".mlp.gate_proj."),
-               (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
-               ("model.embedding_norm.", "model.norm."))
+               (".k_layernorm.", ".k_norm."), *_LFM_MLP_NAMES)
 """LFM2's norms, o_proj, q/k norms, MLP and final norm (its conv layers keep their names)."""
 
 _LFM3_NAMES = ((".self_attn.gate_proj.", ".self_attn.g_proj."), (".operator_norm.", ".input_layernorm."),
                (".post_operator_norm.", ".post_attention_layernorm."), (".ffn_norm.", ".pre_feedforward_layernorm."),
-               (".post_ffn_norm.", ".post_feedforward_layernorm."), (".feed_forward.w1.", ".mlp.gate_proj."),
-               (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
-               ("model.embedding_norm.", "model.norm."))
+               (".post_ffn_norm.", ".post_feedforward_layernorm."), *_LFM_MLP_NAMES)
 """LFM3's head gates (as released, ``gate_proj``), its norms as Gemma's sandwich (each block's input
 norm, output norm: ``post_attention_layernorm`` and ``post_feedforward_layernorm``; the MLP's input
 norm ``pre_feedforward_layernorm``), MLP and final norm."""

@@ -46,6 +46,7 @@ from .lora import PROJECTIONS
 from .model import CausalLM
 from .quantize import PackedLinear
 from .scheduler import Scheduled, Step, StepRows
+from .state import STATE_MODELS
 
 if TYPE_CHECKING:
     from .lora import LoraAdapter
@@ -102,7 +103,7 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
     if spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head:
         return "Cohere's mean-centred norms and parallel blocks"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
-        return "linear attention or Mamba layers (Qwen3-Next, Qwen3.5, OLMo Hybrid, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)"
+        return f"linear attention or Mamba layers ({STATE_MODELS})"
     if spec.activation == "xielu":
         return "ungated MLPs with xIELU (Apertus)"
     if spec.value_norms or spec.full_head_dim is not None or spec.layer_scalars:

@@ -39,7 +39,7 @@ from .sampler import BatchSampler
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .speculative import PREDICTION_ONLY, NgramOptions, NgramProposer
-from .state import RecurrentState, StateCache, StateSlots
+from .state import STATE_MODELS, RecurrentState, StateCache, StateSlots
 
 log = logging.getLogger("router.torch")
 
@@ -286,7 +286,7 @@ class TorchEngine:
         refused."""
         if options.speculative is not None or options.draft_model is not None:
             raise ValueError("speculative_config: speculative decoding is not supported for a model with "
-                             "linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, OLMo Hybrid, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1)")
+                             f"linear-attention or Mamba layers ({STATE_MODELS})")
         if options.decode_graphs != "off":
             log.info("torch engine: linear-attention layers; decode steps run eagerly (no CUDA graphs)")
             options.decode_graphs = "off"

@@ -26,6 +26,8 @@ from torch import nn
 
 from backends.peft import AdapterError, read_peft_folder
 
+from .state import STATE_MODELS
+
 if TYPE_CHECKING:
     from .model import CausalLM, ModelSpec
     from .scheduler import Scheduled
@@ -84,8 +86,7 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     if spec.conv_layers:  # its projections are named and shaped otherwise, layer by layer
         raise fail("adapters of a model with short convolutions (LFM2) are not supported")
     if spec.recurrent or spec.block_kinds:  # the same, and its attention's q_proj holds gates too
-        raise fail("adapters of a model with linear-attention or Mamba layers (Qwen3-Next, Qwen3.5, OLMo Hybrid, "
-                   "Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1) are not supported")
+        raise fail(f"adapters of a model with linear-attention or Mamba layers ({STATE_MODELS}) are not supported")
     if spec.activation == "xielu":  # no gate_up_proj to add to
         raise fail("adapters of a model with ungated MLPs (Apertus) are not supported")
     if spec.value_norms:  # q, k and v sized layer by layer, some layers without k and v (their own or at all)

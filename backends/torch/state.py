@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+STATE_MODELS = "Qwen3-Next, Qwen3.5, OLMo Hybrid, Granite 4's hybrids, Bamba, Nemotron-H, Falcon-H1"
+"""The models with per-sequence states, as the refusals of what they run without name them."""
+
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
     from .model import ModelSpec

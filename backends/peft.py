@@ -21,8 +21,9 @@ class AdapterError(ValueError):
     """An adapter this engine cannot serve (the message names the adapter and what is wrong)."""
 
 
-KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
-"""A layer's projection's weight: groups (layer, PEFT module name, ``A`` or ``B``)."""
+KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|feed_forward)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+"""A layer's projection's weight: groups (layer, PEFT module name, ``A`` or ``B``); Llama 4 names its
+MLPs ``feed_forward``."""
 
 _UNSUPPORTED = {
     "use_dora": "DoRA (`use_dora`)",

@@ -138,6 +138,35 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         if arch == "gemma4-mm":  # the image-text checkpoint: a (tiny) vision tower the engine never reads
             vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
             config = Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=None)
+    elif arch == "llama4-dense":  # Scout's attention, dense MLPs on every layer (no moe_layers)
+        from transformers import Llama4TextConfig
+
+        config = Llama4TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=96,
+                                  interleave_moe_layer_step=5, no_rope_layer_interval=2, attention_chunk_size=8,
+                                  floor_scale=4, attn_scale=2.0, pad_token_id=0)
+    elif arch in ("llama4", "llama4-mm"):  # Scout's shape: chunks of 8 on the rotating layers 0 and 2, whose
+        # queries and keys are normed without weight; layers 1 and 3 NoPE, their queries scaled by position (a floor of
+        # 4, not 8192, so that it shows); 4 experts, one a token, weighting its input, a shared expert beside.
+        # llama4-mm, Maverick's in the image-text checkpoint: experts (2 a token) on layers 1 and 3, dense MLPs on 0
+        # and 2, no query and key norms
+        from transformers import Llama4Config, Llama4TextConfig
+
+        maverick = arch == "llama4-mm"
+        text = Llama4TextConfig(**{**common, "num_hidden_layers": 4, "intermediate_size": 48}, head_dim=16,
+                                intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=2 if maverick else 1,
+                                interleave_moe_layer_step=2 if maverick else 1, use_qk_norm=not maverick,
+                                no_rope_layer_interval=2, attention_chunk_size=8, floor_scale=4, attn_scale=2.0,
+                                pad_token_id=0, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                                                 "factor": 8.0, "low_freq_factor": 1.0,
+                                                                 "high_freq_factor": 4.0,
+                                                                 "original_max_position_embeddings": 64})
+        config = text
+        if maverick:  # a (tiny) vision tower the engine never reads
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                          projector_output_dim=32)
+            config = Llama4Config(text_config=text.to_dict(), vision_config=vision, boi_token_index=49149,
+                                  eoi_token_index=49150, image_token_index=49151)
     elif arch == "gpt_oss":  # 4 experts, 2 a token; sinks; a window of 8 on layer 0; YaRN; a clamp these weights reach
         from transformers import GptOssConfig
 

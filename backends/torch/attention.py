@@ -16,6 +16,8 @@ into it, gathered ones widened back.
 
 Layers with a sliding window (all of Mistral's, some of Qwen2's, Qwen3's or Gemma's) take the
 step's window masks, the others its full ones; the runner builds only the kinds the model has.
+Llama 4's chunked layers take the window masks too, built ``chunked``: a position attends to the
+earlier keys of its own chunk of ``window`` positions (``p - p % window`` to ``p``).
 
 Gemma 2 caps its scores (``cap * tanh(score / cap)``) before the softmax, and gpt-oss adds a
 learned logit per head to each softmax (a "sink" that takes some of the weight and passes no
@@ -213,23 +215,33 @@ def _prefill(
     return out.squeeze(0).transpose(0, 1)
 
 
-def prefill_mask(chunk: int, context: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Causal mask of a chunk whose first token sits at position ``context - chunk``."""
+def in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, chunked: bool) -> torch.Tensor:
+    """Which keys at ``k_pos`` the queries at ``q_pos`` (broadcast together, keys no later) see
+    within ``window``: the last ``window`` positions, or (``chunked``, Llama 4) those of the
+    query's own chunk of ``window`` positions."""
+    return q_pos // window == k_pos // window if chunked else q_pos - k_pos < window
+
+
+def prefill_mask(chunk: int, context: int, window: int | None, device: torch.device,
+                 chunked: bool = False) -> torch.Tensor | None:
+    """Causal mask of a chunk whose first token sits at position ``context - chunk`` (within
+    ``window``: :func:`in_window`)."""
     if chunk == context and window is None:
         return None
     q_pos = torch.arange(context - chunk, context, device=device)[:, None]
     k_pos = torch.arange(context, device=device)[None, :]
     mask = k_pos <= q_pos
     if window is not None:
-        mask &= q_pos - k_pos < window
+        mask &= in_window(q_pos, k_pos, window, chunked)
     return mask
 
 
 def prefill_span(row: int, block_table: list[int], num_new: int, context: int, offsets: torch.Tensor,
-                 full: bool, windowed: bool, window: int | None) -> PrefillSpan:
+                 full: bool, windowed: bool, window: int | None, chunked: bool = False) -> PrefillSpan:
     """The span of a chunk of ``num_new`` tokens at rows ``row`` on, ending at position
     ``context`` of a sequence whose blocks are ``block_table`` (``offsets``: ``arange(block
-    size)`` on the device), with the masks its layers need: full attention's, the window's."""
+    size)`` on the device), with the masks its layers need: full attention's, the window's
+    (``chunked``: Llama 4's)."""
     dev = offsets.device
     table = torch.tensor(block_table, dtype=torch.long).to(dev, non_blocking=True)
     slots = (table[:, None] * offsets.numel() + offsets).view(-1)[:context]
@@ -237,16 +249,16 @@ def prefill_span(row: int, block_table: list[int], num_new: int, context: int, o
     if full:
         span.mask = prefill_mask(num_new, context, None, dev)
     if windowed:
-        span.window_mask = prefill_mask(num_new, context, window, dev)
+        span.window_mask = prefill_mask(num_new, context, window, dev, chunked)
     return span
 
 
-def decode_mask(lengths: torch.Tensor, context: int, window: int | None) -> torch.Tensor | None:
+def decode_mask(lengths: torch.Tensor, context: int, window: int | None, chunked: bool = False) -> torch.Tensor | None:
     """Which of the padded keys each decoding sequence attends to (None: all of them)."""
     k_pos = torch.arange(context, device=lengths.device)[None, :]
     mask = k_pos < lengths[:, None]
     if window is not None:
-        mask &= (lengths[:, None] - 1) - k_pos < window
+        mask &= in_window(lengths[:, None] - 1, k_pos, window, chunked)
     if bool(mask.all()):
         return None
     return mask[:, None, None, :]

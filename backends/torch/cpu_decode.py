@@ -108,6 +108,8 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
         return "ungated MLPs with xIELU (Apertus)"
     if spec.value_norms or spec.full_head_dim is not None or spec.layer_scalars:
         return "Gemma 4's value norms, layer scalars, heads of two sizes, per-layer embeddings and shared caches"
+    if spec.chunked_windows or spec.weightless_qk_norm or spec.nope_temperature or spec.weights_on_input:
+        return "Llama 4's chunked attention, weightless query and key norms, NoPE temperature and experts weighted on their input"
     return None
 
 

@@ -38,7 +38,7 @@ class DraftModel:
         self.max_catch_up = max_catch_up
         self.vocab_size = vocab_size  # the model's tokenizer's: a draft past it is cut there
         self.device = device
-        self.window = model.spec.sliding_window
+        self.window, self.chunked = model.spec.sliding_window, model.spec.chunked_windows
         self.full_layers, self.window_layers = model.spec.mask_kinds
         self._offsets = torch.arange(kv.block_size, device=device)
 
@@ -101,7 +101,7 @@ class DraftModel:
             table = seq.block_table
             context = start + len(tokens)
             spans.append(prefill_span(len(ids), table, len(tokens), context, self._offsets,
-                                      self.full_layers, self.window_layers, self.window))
+                                      self.full_layers, self.window_layers, self.window, self.chunked))
             for p in range(start, context):
                 positions.append(p)
                 slots.append(table[p // bs] * bs + p % bs)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .attention import AttentionMetadata, values_in_keys
+from .attention import AttentionMetadata, in_window, values_in_keys
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import Step, StepRows
@@ -107,7 +107,7 @@ class DecodeGraphs:
         self.max_gather = max_gather if max_gather is not None else GATHER_BYTES // per_position
         self.batches = batch_buckets(max_batch)
         self.blocks = block_buckets(max_blocks)
-        self.window = model.spec.sliding_window
+        self.window, self.chunked = model.spec.sliding_window, model.spec.chunked_windows
         self.full_layers, self.window_layers = model.spec.mask_kinds
         bs = kv.block_size
         self.scratch_block = scratch_block
@@ -223,7 +223,7 @@ class DecodeGraphs:
         if self.full_layers:
             meta.decode_mask = mask[:, None, None, :]
         if self.window_layers:
-            meta.decode_window_mask = (mask & ((lengths - 1) - k_pos < self.window))[:, None, None, :]
+            meta.decode_window_mask = (mask & in_window(lengths - 1, k_pos, self.window, self.chunked))[:, None, None, :]
         return self.model(self.input_ids[:batch], self.positions[:batch], meta, self.rows[:batch])
 
     def _capture(self, batch: int, blocks: int) -> Any:

@@ -186,7 +186,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
         template = template.get("default")
     rename = _language_model_weight if getattr(config, "text_config", None) is not None else None
     if getattr(config, "model_type", None) in _RENAMED:
-        rename = _renamed(_RENAMED[config.model_type])
+        rename = _renamed(_RENAMED[config.model_type], rename)
     return Checkpoint(spec, _safetensors_weights(path, rename), HFTokenizer(hf_tok, eos), template)
 
 
@@ -228,6 +228,10 @@ _RENAMED = {
     "falcon_h1": _BAMBA_NAMES,
     # OLMo Hybrid as released: its linear layers' input and MLP norms (its attention layers' output norm)
     "olmo_hybrid": ((".attention_layer_norm.", ".input_layernorm."), (".feedforward_layer_norm.", ".post_attention_layernorm.")),
+    # Llama 4 (text, and image-text's language model): its MLPs and experts (`feed_forward.router`,
+    # `.experts.gate_up_proj`, `.shared_expert.`)
+    "llama4_text": ((".feed_forward.", ".mlp."),),
+    "llama4": ((".feed_forward.", ".mlp."),),
     # Apertus: its blocks' input norms
     "apertus": ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm.")),
 }
@@ -235,9 +239,13 @@ _RENAMED = {
 (theirs, ours) parts of a name."""
 
 
-def _renamed(names: tuple[tuple[str, str], ...]) -> Callable[[str], str]:
-    """A weight's name with the first of ``names``' parts it holds replaced."""
-    def rename(key: str) -> str:
+def _renamed(names: tuple[tuple[str, str], ...],
+             first: Callable[[str], str | None] | None = None) -> Callable[[str], str | None]:
+    """A weight's name with the first of ``names``' parts it holds replaced (after ``first``, an
+    image-text checkpoint's renaming to its language model's names: None stays None)."""
+    def rename(key: str) -> str | None:
+        if first is not None and (key := first(key)) is None:
+            return None
         for theirs, ours in names:
             if theirs in key:
                 return key.replace(theirs, ours)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
+"""Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
 Apertus, Gemma 1/2/3/4, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
 Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
@@ -19,8 +19,9 @@ gpt-oss's are too: attention sinks (a learned logit per head in every softmax), 
 of experts routed by the softmax of its top-k logits, experts with biases and a clamped SwiGLU.
 SmolLM3's layers without rotary (NoPE), Granite's multipliers (embeddings, attention scores,
 each block's output, logits), OLMo 2/3's norms (of each block's output only, and of the
-whole query and key projections), GLM's interleaved rotary pairs and Ministral 3's
-position-scaled queries are flags too.
+whole query and key projections), GLM's interleaved rotary pairs, Ministral 3's
+position-scaled queries and Llama 4's chunked attention, weightless query and key norms and NoPE
+temperature are flags too.
 Every forward pass works on a flat batch of tokens from many sequences at once (continuous
 batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
@@ -93,6 +94,9 @@ class ModelSpec:
     # and ERNIE 4.5's shared experts (one MLP of their summed size) are added ungated.
     shared_expert_size: int = 0
     shared_expert_gated: bool = True
+    # Llama 4: each chosen expert reads the token times its weight (sigmoid(logit)), and the
+    # experts' outputs are summed unweighted.
+    weights_on_input: bool = False
     # DeepSeek-V3's routing, as GLM-4.5, dots.llm1, MiniMax-M2 and ERNIE 4.5 route: scores are the
     # router logits' sigmoids (ERNIE: their softmax); a learned bias (e_score_correction_bias) is
     # added to them to choose the experts, whose weights are the unbiased scores; with
@@ -166,6 +170,16 @@ class ModelSpec:
     qk_norm_per_head: bool = False
     # Hunyuan: the per-head query and key norms come after the rotary, not before it.
     qk_norm_after_rotary: bool = False
+    # Llama 4 (use_qk_norm): its rotating layers' queries and keys, once rotated, normalised per
+    # head without weight; its NoPE layers' not at all.
+    weightless_qk_norm: bool = False
+    # Llama 4's attn_temperature_tuning, (attn_scale, floor_scale): its NoPE layers' queries times
+    # 1 + attn_scale * ln(1 + floor((position + 1) / floor_scale)), in float32.
+    nope_temperature: tuple[float, int] | None = None
+    # Llama 4: the sliding layers attend within fixed chunks of sliding_window positions
+    # (attention_chunk_size: position p to the keys from p - p % window to p), not to the last
+    # sliding_window.
+    chunked_windows: bool = False
     # LFM2: the layers that are short convolutions (:mod:`.conv`) instead of attention, their
     # filters' taps (conv_L_cache) and whether they have biases (conv_bias).
     conv_layers: tuple[int, ...] = ()
@@ -235,8 +249,8 @@ class ModelSpec:
                  "granite_swa", "granitemoe_swa", "olmo_hybrid",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
-                 "falcon_h1", "gemma4_text", "gemma4")
-    IMAGE_TEXT = ("gemma3", "gemma4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
+                 "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4")
+    IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
     TEXT_MODELS = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe",
@@ -522,6 +536,9 @@ class ModelSpec:
             # its sliding layers would attend to everything yet rotate as sliding ones: none of its releases
             raise ModelError("sliding_window null: LFM3's sliding_attention layers need a window")
         intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
+        llama4 = _llama4_fields(cfg) if model_type == "llama4_text" else {}
+        if llama4:  # its dense layers' MLPs (intermediate_size: each expert's)
+            intermediate = cfg.intermediate_size_mlp
         cohere_qk_norms = model_type == "cohere" and bool(getattr(cfg, "use_qk_norm", False))
         gated_delta = _gated_delta_fields(cfg) if model_type in cls.GATED_DELTA else {}
         if model_type == "olmo_hybrid":
@@ -539,7 +556,7 @@ class ModelSpec:
         # DeepSeek-V2 rotates adjacent pairs as complex numbers, in float32; V3 and GLM-4.7-Flash
         # adjacent pairs (rope_interleave) in the model's dtype.
         deepseek_v2 = model_type == "deepseek_v2"
-        interleaved = glm or ernie or deepseek_v2 or cohere or (
+        interleaved = glm or ernie or deepseek_v2 or cohere or bool(llama4) or (
             latent is not None and bool(getattr(cfg, "rope_interleave", True)))
         return cls(
             vocab_size=cfg.vocab_size,
@@ -583,7 +600,7 @@ class ModelSpec:
             head_gates=lfm3 and bool(getattr(cfg, "use_attention_gate", True)),
             glm_norm_names=model_type == "glm4",
             input_norms=not (olmo or exaone),
-            float_rotary=olmo or ernie or deepseek_v2 or cohere or lfm3,
+            float_rotary=olmo or ernie or deepseek_v2 or cohere or lfm3 or bool(llama4),
             query_scale=query_scale,
             attn_softcap=softcaps["attn_logit_softcapping"],
             final_softcap=softcaps["final_logit_softcapping"],
@@ -592,7 +609,7 @@ class ModelSpec:
             scaled_max_position=model_type == "gemma3_text",
             float_norms=gemma or olmo or model_type in ("gpt_oss", "nemotron_h"),
             attention_sinks=model_type in ("gpt_oss", *GRANITE_SWA),
-            nope_layers=_nope_layers(cfg) if model_type == "smollm3" else (
+            nope_layers=_nope_layers(cfg) if model_type in ("smollm3", "llama4_text") else (
                 _full_layers(cfg, sliding_layers) if exaone and window else ()) or (
                 tuple(range(cfg.num_hidden_layers))
                 if (granite4 and getattr(cfg, "position_embedding_type", None) != "rope") or model_type == "nemotron_h"
@@ -612,6 +629,7 @@ class ModelSpec:
             **gated_delta,
             **mamba,
             **gemma4,
+            **llama4,
         )
 
 
@@ -732,6 +750,22 @@ def _gemma4_kv_sources(cfg: Any) -> tuple[tuple[int, int], ...]:
                              "kind whose keys and values it could read")
         pairs.append((layer, source))
     return tuple(pairs)
+
+
+def _llama4_fields(cfg: Any) -> dict[str, Any]:
+    """Llama 4's query and key norms (``use_qk_norm``: weightless, its rotating layers' only), its
+    NoPE layers' temperature (``attn_temperature_tuning``: ``attn_scale``, ``floor_scale``) and
+    its chunked layers (``attention_chunk_size``, :func:`_sliding_window`)."""
+    tuning = None
+    if getattr(cfg, "attn_temperature_tuning", True):  # its releases say 4, meaning on
+        scale, floor = getattr(cfg, "attn_scale", 0.1), getattr(cfg, "floor_scale", 8192)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ModelError(f"attn_scale {scale!r} must be a number")
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor <= 0:
+            raise ModelError(f"floor_scale {floor!r} must be a positive number")
+        tuning = (float(scale), floor)
+    return dict(weightless_qk_norm=bool(getattr(cfg, "use_qk_norm", True)), nope_temperature=tuning,
+                chunked_windows=True)
 
 
 def _olmo_hybrid_fields(cfg: Any) -> dict[str, Any]:
@@ -1051,6 +1085,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
         return _deepseek_v2_routing(cfg)
     elif model_type == "lfm2_moe":
         return _lfm2_moe_routing(cfg)
+    elif model_type == "llama4_text":
+        return _llama4_routing(cfg)
     else:
         return {}
     top_k = _experts_per_token(cfg, experts)
@@ -1069,6 +1105,20 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
 BIASED_ROUTING = ("glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
 """Mixtures of experts that choose their experts by scores plus a learned bias (DeepSeek-V3's
 routing; :class:`ModelSpec`'s ``routing_bias``)."""
+
+
+def _llama4_routing(cfg: Any) -> dict[str, Any]:
+    """Llama 4's experts (``num_local_experts`` of ``intermediate_size``) on its ``moe_layers``
+    (transformers fills them from ``interleave_moe_layer_step``: every layer in Scout, every second
+    in Maverick): the top-k router logits' sigmoids, each weighting its expert's input, and a
+    shared expert of the same size added ungated; stacked ``[E, in, out]``."""
+    experts, layers = cfg.num_local_experts, cfg.num_hidden_layers
+    moe = set(getattr(cfg, "moe_layers", None) or ())
+    if any(not isinstance(i, int) or not 0 <= i < layers for i in moe):
+        raise ModelError(f"moe_layers {sorted(moe)} must name layers from 0 to {layers - 1}")
+    return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts), expert_size=cfg.intermediate_size,
+                sigmoid_routing=True, weights_on_input=True, shared_expert_size=cfg.intermediate_size,
+                shared_expert_gated=False, dense_layers=tuple(i for i in range(layers) if i not in moe))
 
 
 def _lfm2_moe_routing(cfg: Any) -> dict[str, Any]:
@@ -1197,6 +1247,10 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     second, five of every six, three of every four, all, or by EXAONE 4's sliding_window_pattern:
     "LLLG" or 4); Ministral 3 on every layer; Llama and Gemma never."""
     window = getattr(cfg, "sliding_window", None)
+    if model_type == "llama4_text":  # its chunked layers (ModelSpec.chunked_windows): those layer_types names
+        window, types = getattr(cfg, "attention_chunk_size", None), getattr(cfg, "layer_types", None) or ()
+        layers = tuple(i for i, kind in enumerate(types) if kind == "chunked_attention")
+        return (int(window), layers) if window and layers else (None, None)
     if model_type in ("llama", "gemma") or not window:
         return None, None
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
@@ -1385,9 +1439,12 @@ class Rotary(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-def query_position_scales(beta: float, original: int, max_len: int) -> torch.Tensor:
-    """Ministral 3's factor on the query at each position up to ``max_len``, float32, as
-    transformers computes it: ``1 + beta * ln(1 + floor(position / original))``."""
+def query_position_scales(beta: float, original: float, max_len: int, shift: int = 0) -> torch.Tensor:
+    """The factor on the query at each position up to ``max_len``, float32, as transformers
+    computes it: Ministral 3's ``1 + beta * ln(1 + floor(position / original))``; Llama 4's
+    temperature (``shift`` 1) ``1 + beta * ln(1 + floor((position + 1) / original))``."""
+    if shift:
+        return torch.log1p(torch.floor((torch.arange(max_len).float() + shift) / original)) * beta + 1.0
     positions = torch.arange(max_len)
     return 1 + beta * torch.log(1 + torch.floor(positions / original))
 
@@ -1452,20 +1509,26 @@ class Attention(nn.Module):
         self.sliding = spec.window_of(layer) is not None
         self.rotates = layer not in spec.nope_layers
         self.whole_qk_norm = spec.qk_norm_whole
-        self.norm_after_rotary = spec.qk_norm_after_rotary
+        self.norm_after_rotary = spec.qk_norm_after_rotary or spec.weightless_qk_norm
         q_norm, k_norm = (self.q_size, self.kv_size) if self.whole_qk_norm else (self.head_dim, self.head_dim)
         if spec.qk_norm_per_head:  # Command R+: a weight of its own for every head
             q_norm, k_norm = (spec.num_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
         self.v_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, weighted=False) if spec.value_norms else None
         self.q_norm = _norm(spec, q_norm) if spec.qk_norm else None
         self.k_norm = _norm(spec, k_norm) if spec.qk_norm and self.kv_size else None
+        if spec.weightless_qk_norm and self.rotates:  # Llama 4's: no weight, on the rotating layers only
+            self.q_norm = self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, weighted=False)
+        # The queries scaled by position: all of Ministral 3's, Llama 4's NoPE layers'.
+        self.scaled_queries = spec.query_position_scaling is not None or (
+            spec.nope_temperature is not None and not self.rotates)
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
         q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``q_scale``: each row's factor on its rotated query ``[n, 1, 1]`` (Ministral 3), or None."""
+        """``q_scale``: each row's factor on its rotated query ``[n, 1, 1]`` (Ministral 3's in the
+        model's dtype, Llama 4's in float32, the product rounded), or None."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         if not self.kv_size:  # Gemma 4's shared layers: the queries over an earlier layer's keys and values
@@ -1483,11 +1546,11 @@ class Attention(nn.Module):
                 qk = self._head_norms(qk)
         if self.rotates:  # q and k together: one set of ops for both (float32 tables: OLMo's, rounded once)
             qk = apply_rotary(qk, *rope, self.half).to(qkv.dtype)
-        if self.norm_after_rotary:  # Hunyuan: the rotated heads normalised
+        if self.norm_after_rotary and self.q_norm is not None:  # Hunyuan, Llama 4: the rotated heads normalised
             qk = self._head_norms(qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        if q_scale is not None:
-            q = q * q_scale
+        if q_scale is not None and self.scaled_queries:
+            q = (q * q_scale).to(qk.dtype)
         v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         if self.v_norm is not None:  # Gemma 4: each value head normalised, no weight
             v = self.v_norm(v)
@@ -1723,13 +1786,16 @@ class CausalLM(nn.Module):
 
     def _rotaries(self, max_len: int) -> None:
         """The rotary tables: every layer's, or (Gemma 3) the full-attention layers' in ``rotary``
-        and the sliding-window layers' in ``local_rotary``; Ministral 3's query scales by position
-        (``query_scales``, else None)."""
+        and the sliding-window layers' in ``local_rotary``; Ministral 3's and Llama 4's query scales
+        by position (``query_scales``, else None)."""
         local = self.spec.local_rope()
         self.rotary = Rotary(self.spec.full_rope(), max_len)
         self.local_rotary = Rotary(local, max_len) if local is not None else None
-        scaling = self.spec.query_position_scaling
-        scales = query_position_scales(*scaling, max_len) if scaling is not None else None
+        scales = None
+        if (scaling := self.spec.query_position_scaling) is not None:
+            scales = query_position_scales(*scaling, max_len)
+        elif (tuning := self.spec.nope_temperature) is not None:
+            scales = query_position_scales(*tuning, max_len, shift=1)
         self.register_buffer("query_scales", scales, persistent=False)  # moves with the model, as the tables do
 
     def embed_scale(self, dtype: torch.dtype) -> float | None:
@@ -1801,8 +1867,9 @@ class CausalLM(nn.Module):
         rope = self.rotary.tables(positions, rope_dtype, x.dtype if self.spec.rounded_rotary_tables else None)
         local = self.local_rotary.tables(positions, rope_dtype) if self.local_rotary is not None else rope
         q_scale = None
-        if self.query_scales is not None:
-            q_scale = self.query_scales[positions].to(x.dtype)[:, None, None]
+        if self.query_scales is not None:  # Llama 4's stays float32, as transformers multiplies by it
+            q_scale = self.query_scales[positions][:, None, None]
+            q_scale = q_scale if self.spec.nope_temperature is not None else q_scale.to(x.dtype)
         per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_embed is not None else None
         for i, layer in enumerate(self.layers):
             x = layer(x, local if layer.sliding else rope, meta, q_scale, per_layer[:, i] if per_layer is not None else None)

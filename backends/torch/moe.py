@@ -11,7 +11,9 @@ its top-k logits too, with no bias. GLM-4.5, dots.llm1 and MiniMax-M2 route as D
 sigmoid scores, plus a learned bias to choose the experts (not to weight them), among the best
 groups of experts where the config has groups, the weights times ``routed_scaling_factor``;
 ERNIE 4.5 the same from softmax scores. DeepSeek-V2 chooses by softmax scores alone, in groups
-scored by their best expert. Their shared experts are added ungated. Gemma 4's experts run beside
+scored by their best expert. Their shared experts are added ungated. Llama 4 chooses by its logits
+and weights each chosen expert's input, not its output, by the logit's sigmoid; a shared expert
+is added ungated. Gemma 4's experts run beside
 each layer's MLP: softmax scores of its scaled router, renormalised over the chosen ones, each
 times its expert's learned scale. Numerics follow Hugging Face's
 implementation (transformers 5's grouped experts, what ``from_pretrained`` runs): the softmax in
@@ -68,6 +70,7 @@ class SparseMoE(nn.Module):
         self.stacked_in_out = spec.stacked_in_out
         self.float_router = spec.float_router
         self.scores_in_model_dtype = spec.scores_in_model_dtype  # LFM2-MoE's
+        self.weights_on_input = spec.weights_on_input  # Llama 4's
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
         # Gemma 4's router: its input through router_norm (an RMSNorm without weight) times input_scale
         # and hidden_size ** -0.5; the chosen experts' weights times their expert_scale.
@@ -155,7 +158,10 @@ class SparseMoE(nn.Module):
                 continue
             pairs = order[start : start + count]
             start += count
-            slots[pairs] = self.experts[e](x[pairs // self.top_k]) * pair_weights[pairs, None]
+            if self.weights_on_input:  # Llama 4: the expert reads the weighted token, its output summed as it is
+                slots[pairs] = self.experts[e](x[pairs // self.top_k] * pair_weights[pairs, None])
+            else:
+                slots[pairs] = self.experts[e](x[pairs // self.top_k]) * pair_weights[pairs, None]
         out = slots.view(-1, self.top_k, x.shape[-1]).sum(dim=1).to(x.dtype)
         if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -197,7 +203,9 @@ class SparseMoE(nn.Module):
             self._load_gpt_oss(moe, state)
         elif stacked is not None:
             gate_up, down = state.take(moe + stacked[0]), state.take(moe + stacked[1])
-            if self.stacked_in_out:  # Qwen3-VL's releases: [E, H, 2I] and [E, I, H]; as saved, [E, 2I, H]
+            if self.weights_on_input:  # Llama 4's: [E, H, 2I] and [E, I, H] always, as its module declares them
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            elif self.stacked_in_out:  # Qwen3-VL's releases: [E, H, 2I] and [E, I, H]; as saved, [E, 2I, H]
                 gate_up, down = _out_in(gate_up, self.experts[0].gate_up_proj), _out_in(down, self.experts[0].down_proj)
             for name, matrices in zip(stacked, (gate_up, down)):
                 if matrices.shape[0] != self.num_experts:

@@ -65,7 +65,7 @@ class ModelRunner:
         self.eos_ids = eos_ids
         # The masks a step needs: full attention's, the sliding window's, or both (Qwen2/Qwen3
         # with use_sliding_window slide on some layers only).
-        self.window = model.spec.sliding_window
+        self.window, self.chunked = model.spec.sliding_window, model.spec.chunked_windows  # Llama 4's: chunks
         self.full_layers, self.window_layers = model.spec.mask_kinds
         self.conv_kernel = model.spec.conv_kernel if model.spec.conv_layers else 0
         mamba = model.spec.mamba  # Mamba2 holds a prompt's time steps within a limit: which rows are prompt tokens
@@ -90,7 +90,7 @@ class ModelRunner:
             if self.full_layers:
                 meta.decode_mask = decode_mask(lengths, context, None)
             if self.window_layers:
-                meta.decode_window_mask = decode_mask(lengths, context, self.window)
+                meta.decode_window_mask = decode_mask(lengths, context, self.window, self.chunked)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
         positions = as_tensor(rows.positions)
         if self.conv_kernel:  # LFM2: every row's window of convolution inputs
@@ -114,7 +114,7 @@ class ModelRunner:
         for w in step.work[len(decode) :]:
             context = w.seq.num_computed + w.num_new
             meta.prefills.append(prefill_span(row, w.seq.block_table, w.num_new, context, self._offsets,
-                                              self.full_layers, self.window_layers, self.window))
+                                              self.full_layers, self.window_layers, self.window, self.chunked))
             row += w.num_new
         if self.state_cache is not None:
             self._keep_states(step.work[len(decode) :], meta)

@@ -14,6 +14,7 @@ so the router serves the folder as it serves any chat model.
     .venv/bin/python bench/random_checkpoint.py --out /tmp/q35 --arch qwen3_5_text  # Gated DeltaNet, 3 in 4 layers
     .venv/bin/python bench/random_checkpoint.py --out /tmp/lfm2 --arch lfm2         # LFM2-350M's layers
     .venv/bin/python bench/random_checkpoint.py --out /tmp/lfm3 --arch lfm3         # LFM3-1.7B's, in bfloat16
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/e2b --arch gemma4_e      # Gemma 4 E2B's layers, half as wide
     .venv/bin/python bench/engines.py --model /tmp/moe --skip llamacpp --levels 1,8,32
 """
 
@@ -46,11 +47,22 @@ LFM2_350M = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
                  block_auto_adjust_ff_dim=True, max_position_embeddings=128000,
                  layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)])
 
+# Gemma 4 E2B's layer layout (google/gemma-4-E2B's config.json) at half its width: 35 layers of 768,
+# four sliding (512) to each full one, 8 query heads on one KV head (256 on the sliding layers, 512 on
+# the full ones, halved here), the last 20 reading earlier layers' caches with MLPs twice as wide,
+# per-layer embeddings of 128 (256 in E2B).
+GEMMA4_E2B_HALF = dict(hidden_size=768, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
+                       head_dim=128, global_head_dim=256, intermediate_size=3072, sliding_window=512,
+                       hidden_size_per_layer_input=128, vocab_size_per_layer_input=49152, num_kv_shared_layers=20,
+                       use_double_wide_mlp=True, final_logit_softcapping=30.0, max_position_embeddings=32768,
+                       layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7)
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
-    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3", "qwen3_5_text", "lfm2", "lfm3"],
+    p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3", "gemma4_e", "qwen3_5_text", "lfm2",
+                                        "lfm3"],
                    default="qwen3_moe")
     p.add_argument("--hidden", type=int, default=1024, help="MoE: hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=12, help="MoE: decoder layers, every one sparse (default 12)")
@@ -96,6 +108,9 @@ def main() -> None:
         else:  # transformers' defaults are LFM3-1.7B's shape (LiquidAI/LFM3-1.7B)
             config = AutoConfig.for_model("lfm3", **lfm, pad_token_id=0)
             shape = "LFM3-1.7B's 24 layers of 2048: 13 short convolutions (7 taps), 5 sliding and 6 full attention"
+    elif args.arch == "gemma4_e":
+        config = AutoConfig.for_model("gemma4_text", **common, **GEMMA4_E2B_HALF)
+        shape = "Gemma 4 E2B's 35 layers at half width, the last 20 shared"
     else:
         config = AutoConfig.for_model("gemma3_text", **common, **GEMMA3_270M)
         shape = "Gemma 3 270M's 18 layers"

@@ -216,6 +216,45 @@ def test_per_layer_embeddings_and_layers_reading_earlier_layers_caches(checkpoin
         run(engine.stop())
 
 
+def test_the_shared_layers_compute_only_the_rows_whose_logits_are_wanted(checkpoints):
+    """E2B's shape: from the first shared layer on, a prompt chunk's rows stop but its last (a
+    chunk with none wanted stops whole), and the output is transformers'."""
+    folder = checkpoints["gemma4-e"]
+    engine = small_steps_engine(folder)
+    first_shared, seen = engine.model.layers[4], []
+    forward = first_shared.forward
+    first_shared.forward = lambda x, *args: seen.append(x.shape[0]) or forward(x, *args)
+    try:
+        prompt = random_prompts(3, (30,))[0]
+        got, _ = run(generate(engine, prompt, 5))
+    finally:
+        run(engine.stop())
+    assert got == hf_greedy(folder, prompt, 5)
+    # the 16-token chunk: none; the 14-token one: its last row; then one row for each decode step
+    assert seen == [1] * 5
+
+
+@pytest.mark.parametrize("rows,spans", [
+    ([0, 1, 7], [(2, 3)]),  # both decode rows, the second chunk's last
+    ([0, 1, 4, 5, 6, 7], [(2, 5), (5, 6)]),  # the first chunk's last two rows, the second's last
+    ([0, 1], []),
+])
+def test_a_steps_metadata_cut_to_some_rows(rows, spans):
+    """Two decoding rows, then chunks at rows 2 to 6 (over a context of 8) and 7 (the whole
+    context): the rows kept of each chunk become its span, their mask rows with them."""
+    from backends.torch.attention import AttentionMetadata, PrefillSpan, only_rows
+
+    causal = torch.ones(5, 8, dtype=torch.bool).tril(3)
+    meta = AttentionMetadata([], [], torch.arange(8), num_decode=2, prefills=[
+        PrefillSpan(2, 7, torch.arange(8), causal), PrefillSpan(7, 8, torch.arange(1), None)])
+    cut = only_rows(meta, rows)
+    assert [(s.start, s.end) for s in cut.prefills] == spans and cut.slot_mapping.tolist() == rows
+    if len(spans) == 2:
+        assert torch.equal(cut.prefills[0].mask, causal[2:]) and cut.prefills[1].mask.tolist() == [[True]]
+    for bad in ([1, 7], [0, 1, 2, 4, 6]):  # a decoding row left out; a chunk's rows not one run
+        assert only_rows(meta, bad) is None
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 64},
      "vocab_size_per_layer_input 64 must be at least vocab_size 128"),

@@ -27,7 +27,7 @@ the softmax as separate operations, as transformers' eager attention does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -251,6 +251,37 @@ def prefill_span(row: int, block_table: list[int], num_new: int, context: int, o
     if windowed:
         span.window_mask = prefill_mask(num_new, context, window, dev, chunked)
     return span
+
+
+def only_rows(meta: AttentionMetadata, rows: list[int]) -> AttentionMetadata | None:
+    """The step's metadata for its ``rows`` alone (ascending), as layers that write no keys or
+    values of their own see it once the other rows are dropped (Gemma 4's shared layers); None
+    where the rows do not cut cleanly: some decoding row left out, or a chunk's rows that are
+    not one run."""
+    decoding = meta.num_decode
+    if rows[:decoding] != list(range(decoding)):
+        return None
+    spans, i = [], decoding
+    for span in meta.prefills:
+        j = i
+        while j < len(rows) and rows[j] < span.end:
+            j += 1
+        mine, i = rows[i:j], j
+        if not mine:
+            continue
+        if mine[0] < span.start or mine[-1] - mine[0] + 1 != len(mine):
+            return None
+        first, count, start = mine[0] - span.start, len(mine), decoding + sum(s.end - s.start for s in spans)
+        mask = span.mask
+        if mask is None:  # plain causal over a chunk that is its whole context
+            chunk = span.end - span.start
+            mask = torch.ones(chunk, chunk, dtype=torch.bool, device=span.slots.device).tril()
+        window = span.window_mask[first : first + count] if span.window_mask is not None else None
+        spans.append(PrefillSpan(start, start + count, span.slots, mask[first : first + count], window))
+    if i != len(rows):
+        return None
+    index = torch.tensor(rows, dtype=torch.long).to(meta.slot_mapping.device, non_blocking=True)
+    return replace(meta, slot_mapping=meta.slot_mapping[index], prefills=spans)
 
 
 def decode_mask(lengths: torch.Tensor, context: int, window: int | None, chunked: bool = False) -> torch.Tensor | None:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, apply_rotary, paged_attention
+from .attention import AttentionMetadata, apply_rotary, only_rows, paged_attention
 from .conv import ShortConv
 from .delta import DeltaShape, GatedDeltaNet
 from .mamba import Mamba2Mixer, MambaShape
@@ -296,6 +296,17 @@ class ModelSpec:
         """The layer whose cached keys and values ``layer`` attends to: itself, or for Gemma 4's
         shared layers the last earlier layer of its kind that keeps its own."""
         return dict(self.kv_sources).get(layer, layer)
+
+    @property
+    def cacheless_from(self) -> int | None:
+        """The first of the last layers that keep no keys and values of their own (Gemma 4's
+        shared layers): from there on only the rows whose logits are wanted matter; None where
+        the last layer keeps its own."""
+        shared = {layer for layer, _ in self.kv_sources}
+        first = self.num_layers
+        while first - 1 in shared:
+            first -= 1
+        return first if first < self.num_layers else None
 
     def intermediate_of(self, layer: int) -> int:
         """The width of ``layer``'s MLP (Gemma 4's shared layers: twice it with use_double_wide_mlp)."""
@@ -1761,6 +1772,11 @@ class DecoderLayer(nn.Module):
         return h if self.residual_scale is None else h * self.residual_scale
 
 
+def _rows(tables: tuple[torch.Tensor, ...], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A step's rotary rows (cos, signed sin) for ``rows`` alone."""
+    return tuple(t[rows] for t in tables)
+
+
 def _normed(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
 
@@ -1783,6 +1799,9 @@ class CausalLM(nn.Module):
             self.per_layer_norm = _norm(spec, spec.per_layer_input_size)
         self._rotaries(max_len)
         self._embed_scales: dict[torch.dtype, float] = {}
+        # The layer from which only the rows whose logits are wanted are computed (Gemma 4's shared
+        # layers, ModelSpec.cacheless_from); None: every layer computes every row.
+        self.wanted_rows_from = spec.cacheless_from
 
     def _rotaries(self, max_len: int) -> None:
         """The rotary tables: every layer's, or (Gemma 3) the full-attention layers' in ``rotary``
@@ -1872,6 +1891,18 @@ class CausalLM(nn.Module):
             q_scale = q_scale if self.spec.nope_temperature is not None else q_scale.to(x.dtype)
         per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_embed is not None else None
         for i, layer in enumerate(self.layers):
+            if i == self.wanted_rows_from and meta.prefills:
+                # Gemma 4's shared layers write nothing a later step reads: past them only the rows
+                # whose logits are wanted matter, so the others (a prompt chunk's but its last) stop here.
+                rows = logits_rows.tolist()
+                if not rows:
+                    break
+                cut = only_rows(meta, rows) if len(rows) < x.shape[0] else None
+                if cut is not None:
+                    x, meta, rope, local = x[logits_rows], cut, _rows(rope, logits_rows), _rows(local, logits_rows)
+                    q_scale = q_scale[logits_rows] if q_scale is not None else None
+                    per_layer = per_layer[logits_rows] if per_layer is not None else None
+                    logits_rows = torch.arange(len(rows), device=x.device)
             x = layer(x, local if layer.sliding else rope, meta, q_scale, per_layer[:, i] if per_layer is not None else None)
         # Only rows that sample need the (large) vocabulary projection.
         return self.final_logits(self.lm_head(self.norm(x[logits_rows])))

@@ -41,10 +41,11 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype,within", [(torch.float32, 1e-4), (torch.bfloat16, 0.01)])
+@pytest.mark.parametrize("dtype,within", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3)])
 def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     # Measured: 1.1e-6 to 1.2e-6 in float32, 5e-7 in bfloat16 (where transformers' own bfloat16 is
-    # 0.008 to 0.010 from its float32).
+    # 0.008 to 0.010 from its float32). In bfloat16 the temperature rounded before its product, or
+    # the rotary in bfloat16, would be 0.005 to 0.008 off: within 1e-3 sees them.
     assert_prompt_logprobs_match_transformers(checkpoints[arch], dtype, within)
 
 
@@ -73,7 +74,7 @@ def test_the_spec_and_the_layers(checkpoints):
     assert spec.nope_layers == (1, 3) and spec.nope_temperature == (2.0, 4)
     assert spec.weightless_qk_norm and not spec.qk_norm and spec.interleaved_rotary and spec.float_rotary
     assert (spec.num_experts, spec.experts_per_token, spec.expert_size, spec.intermediate_size) == (4, 1, 48, 96)
-    assert spec.weights_on_input and spec.sigmoid_routing and not spec.normalize_routing
+    assert spec.weights_on_input and not spec.sigmoid_routing and not spec.normalize_routing
     assert spec.shared_expert_size == 48 and not spec.shared_expert_gated and spec.dense_layers == ()
     assert spec.rope_scaling["rope_type"] == "llama3"
     maverick = _spec(checkpoints["llama4-mm"])
@@ -98,6 +99,20 @@ def test_the_spec_and_the_layers(checkpoints):
         assert engine._decoder is None
     finally:
         run(engine.stop())
+
+
+def test_the_experts_are_chosen_by_their_logits():
+    """Logits past about 17 all have a float32 sigmoid of 1: the choice is by the logits, as
+    transformers makes it, each chosen one weighted by its sigmoid."""
+    from backends.torch.model import MLP
+    from backends.torch.moe import SparseMoE
+
+    spec = ModelSpec.from_hf_config(_config(num_local_experts=4, hidden_size=4, intermediate_size=4))
+    moe = SparseMoE(spec, lambda size: MLP(spec.hidden_size, size))
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.eye(4))
+    weights, chosen = moe.route(torch.tensor([[18.0, 20.0, 1.0, -3.0], [-3.0, 1.0, 0.5, 0.0]]))
+    assert chosen[:, 0].tolist() == [1, 1] and weights[:, 0].tolist() == [1.0, float(torch.sigmoid(torch.tensor(1.0)))]
 
 
 def test_the_experts_weight_their_input():
@@ -148,6 +163,43 @@ def test_chunked_prefill_and_decode_masks_agree():
 
 def test_a_repeated_prompt_hits_the_prefix_cache(checkpoints):
     assert_prefix_hits_match_no_cache(checkpoints["llama4"])
+
+
+def test_chunks_that_steps_and_blocks_do_not_divide(checkpoints, tmp_path):
+    """Chunks of 12 (the checkpoint's weights): a prefix hit of 32 tokens starts inside a chunk,
+    steps of 16 end inside them, and 60 decoded tokens cross five chunk boundaries; the
+    tokens are transformers'."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(checkpoints["llama4"], tmp_path / "chunks-12")
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**settings, "attention_chunk_size": 12}))
+    assert _spec(folder).sliding_window == 12
+    assert_prefix_hits_match_no_cache(folder)
+    engine = engine_for(folder, block_size=4, max_batched_tokens=16)
+    try:
+        prompt = random_prompts(8, (30,))[0]
+        got, _ = run(generate(engine, prompt, 60))
+    finally:
+        run(engine.stop())
+    assert got == hf_greedy(folder, prompt, 60)
+
+
+def test_a_release_config_as_saved(checkpoints, tmp_path):
+    """Scout's and Maverick's config.json say attn_temperature_tuning 4 and no_rope_layers [],
+    which transformers 5's strict config refuses and fills: read as on, and the default layers."""
+    import json
+    import shutil
+
+    from backends.torch.loader import load_checkpoint
+
+    folder = shutil.copytree(checkpoints["llama4-mm"], tmp_path / "as-released")
+    settings = json.loads((folder / "config.json").read_text())
+    settings["text_config"].update(attn_temperature_tuning=4, no_rope_layers=[], no_rope_layer_interval=4)
+    (folder / "config.json").write_text(json.dumps(settings))
+    spec = load_checkpoint(folder).spec
+    assert spec.nope_temperature == (2.0, 4) and spec.nope_layers == (3,)  # every fourth, as transformers fills it (the checkpoint's: every second)
 
 
 def test_the_static_decode_path_matches_transformers(checkpoints):
@@ -209,11 +261,11 @@ def test_drafted_tokens_keep_greedys(checkpoints):
         run(engine.stop())
 
 
-@pytest.mark.parametrize("arch,within", [("llama4", 1.0), ("llama4-mm", 1.0)])
-def test_int8_weights_run_as_torch_operations(checkpoints, arch, within):
-    """A smoke check of the packed path (the C step refuses Llama 4: no C decoder); the float
-    paths are pinned to transformers above."""
-    assert packed_torch_path_distance(checkpoints[arch], "int8") < within
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_weights_run_as_torch_operations(checkpoints, arch):
+    """The packed path (the C step refuses Llama 4: no C decoder) near the float one, which is
+    pinned to transformers above: measured 0.008 and 0.010."""
+    assert packed_torch_path_distance(checkpoints[arch], "int8") < 0.05
 
 
 def _config(**changes):
@@ -244,6 +296,7 @@ def test_the_shapes_of_a_config_as_released():
     ({"attn_scale": "x"}, "attn_scale 'x' must be a number"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 must be from 1 to the number of experts, 4"),
     ({"moe_layers": [0, 7]}, r"moe_layers \[0, 7\] must name layers from 0 to 3"),
+    ({"attention_chunk_size": None}, "attention_chunk_size None: the chunked_attention layers need a positive number"),
 ])
 def test_what_is_refused_by_name(changes, message):
     """Read off the config's keys as saved (transformers would refuse some of these types first)."""

@@ -116,6 +116,31 @@ def _no_custom_code(path: Path, what: str, file: str) -> Iterator[None]:
         raise ValueError(f"{path}: its {what} (`{name}`) is custom code, which is not run; {advice}") from None
 
 
+RETYPED = {"llama4_text": {"attn_temperature_tuning": bool}}
+"""Config values some releases save in another type than transformers' strict configs accept, by
+model type: Llama 4 Scout's and Maverick's ``attn_temperature_tuning`` is 4 (on), transformers 5
+wants a bool."""
+
+
+def _retyped_release_config(path: Path) -> dict | None:
+    """The folder's ``config.json`` with the values :data:`RETYPED` names (at its top or in its
+    ``text_config``) in the type transformers accepts; None where it has none of them (it is read
+    as it is)."""
+    try:
+        data = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    changed = False
+    for section in (data, data.get("text_config") if isinstance(data, dict) else None):
+        if not isinstance(section, dict):
+            continue
+        for key, kind in RETYPED.get(section.get("model_type"), {}).items():
+            value = section.get(key)
+            if value is not None and type(value) is not kind:
+                section[key], changed = kind(value), True
+    return data if changed else None
+
+
 def _check_gguf_architecture(path: Path) -> None:
     arch = gguf_architecture(path)
     if arch in GGUF_REFUSED:
@@ -172,10 +197,13 @@ def load_checkpoint(path: Path) -> Checkpoint:
         if not path.is_dir():
             raise FileNotFoundError(f"no model folder or .gguf file at {path}")
         with _no_custom_code(path, "config", "config.json"):
-            config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+            released = _retyped_release_config(path)
+            config = AutoConfig.for_model(**released) if released is not None else AutoConfig.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=False)
         spec = ModelSpec.from_hf_config(config)
         with _no_custom_code(path, "tokenizer", "tokenizer_config.json"):
-            hf_tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+            hf_tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False,
+                                                   **({"config": config} if released is not None else {}))
     generation_eos = None
     gen_file = path / "generation_config.json"
     if gen_file.is_file():

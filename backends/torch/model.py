@@ -837,7 +837,7 @@ def _nope_layers(cfg: Any) -> tuple[int, ...]:
     """SmolLM3's layers without rotary: the zeros of ``no_rope_layers`` (one entry a layer; its
     config fills them from ``no_rope_layer_interval`` when the checkpoint has none)."""
     flags = getattr(cfg, "no_rope_layers", None)
-    if flags is None:
+    if not flags:  # none, or Llama 4's releases' [] (transformers fills both)
         interval = int(getattr(cfg, "no_rope_layer_interval", 4))
         flags = [int((i + 1) % interval != 0) for i in range(cfg.num_hidden_layers)]
     if len(flags) != cfg.num_hidden_layers:
@@ -1122,13 +1122,13 @@ def _llama4_routing(cfg: Any) -> dict[str, Any]:
     """Llama 4's experts (``num_local_experts`` of ``intermediate_size``) on its ``moe_layers``
     (transformers fills them from ``interleave_moe_layer_step``: every layer in Scout, every second
     in Maverick): the top-k router logits' sigmoids, each weighting its expert's input, and a
-    shared expert of the same size added ungated; stacked ``[E, in, out]``."""
+    shared expert of the same size added ungated (:meth:`.moe.SparseMoE.route`); stacked ``[E, in, out]``."""
     experts, layers = cfg.num_local_experts, cfg.num_hidden_layers
     moe = set(getattr(cfg, "moe_layers", None) or ())
     if any(not isinstance(i, int) or not 0 <= i < layers for i in moe):
         raise ModelError(f"moe_layers {sorted(moe)} must name layers from 0 to {layers - 1}")
     return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts), expert_size=cfg.intermediate_size,
-                sigmoid_routing=True, weights_on_input=True, shared_expert_size=cfg.intermediate_size,
+                weights_on_input=True, shared_expert_size=cfg.intermediate_size,
                 shared_expert_gated=False, dense_layers=tuple(i for i in range(layers) if i not in moe))
 
 
@@ -1261,7 +1261,10 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     if model_type == "llama4_text":  # its chunked layers (ModelSpec.chunked_windows): those layer_types names
         window, types = getattr(cfg, "attention_chunk_size", None), getattr(cfg, "layer_types", None) or ()
         layers = tuple(i for i, kind in enumerate(types) if kind == "chunked_attention")
-        return (int(window), layers) if window and layers else (None, None)
+        if layers and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ModelError(f"attention_chunk_size {window!r}: the chunked_attention layers need a positive number "
+                             "of positions")
+        return (window, layers) if layers else (None, None)
     if model_type in ("llama", "gemma") or not window:
         return None, None
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):

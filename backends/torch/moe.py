@@ -106,6 +106,9 @@ class SparseMoE(nn.Module):
             # In the logits' dtype: torch computes it in float32 and rounds once, as Granite-MoE's
             # float32 softmax then cast (the same bits, tested).
             return F.softmax(logits, dim=-1, dtype=logits.dtype).to(x.dtype), chosen
+        if self.weights_on_input:  # Llama 4: the best logits (not their sigmoids, which tie at 1 past about 17),
+            logits, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)  # each weighted by its sigmoid
+            return torch.sigmoid(logits.float()).to(x.dtype), chosen
         if self.input_scale is not None:  # Gemma 4: normalised, rounded, then scaled in x's dtype
             x = self.router_norm(x) * self.input_scale * self.root
         logits = self.gate(x.float()) if self.float_router else self.gate(x)

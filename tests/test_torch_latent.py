@@ -66,18 +66,24 @@ def test_prompt_logprobs_in_bfloat16_are_as_close_as_bfloat16_allows(checkpoints
                                          "beta_fast": 32, "beta_slow": 1}}),
     ("deepseek_v2-groups", {"topk_method": "greedy"}),
     ("deepseek_v3", {"n_group": 1, "topk_group": 1}),
+    ("mistral4", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                      "beta_fast": 32, "beta_slow": 1, "partial_rotary_factor": 8 / 24,
+                                      "llama_4_scaling_beta": 0.0}}),
+    ("mistral4", {"n_group": 1, "topk_group": 1}),
 ])
 def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
     # Each moves transformers' own float32 logprobs by at least 200 times the 1e-4 the engine
     # keeps to (measured: the rotary pairs' layout 0.50 and 0.15, YaRN's mscale_all_dim on the
-    # scores 0.027, V2's groups by their best score 0.072, V3's groups 0.22).
+    # scores 0.027, V2's groups by their best score 0.072, V3's groups 0.22; Mistral 4's queries scaled by
+    # position 0.29, its groups 0.12).
     folder = checkpoints[arch]
     prompt = random_prompts(7, (60,))[0]
     moved = distance(hf_prompt_logprobs(folder, prompt), hf_prompt_logprobs(folder, prompt, **config))
     assert moved > 0.02
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2-groups", "deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("arch", ["deepseek_v2-groups", "deepseek_v3", "glm4_moe_lite", "mistral4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routing_matches_transformers_routers(checkpoints, arch, dtype):
     """SparseMoE.route against transformers' router on 4,000 rows: the same experts (as sets),
@@ -141,6 +147,33 @@ def test_latent_specs():
     assert lite.dense_layers == (0, 2)
     plain = ModelSpec.from_hf_config(_config("llama"))
     assert plain.latent is None and plain.kv_entry(0) == dict(kv_heads=4, head_dim=8, values_in_keys=None)
+
+
+def test_mistral4_specs():
+    """Mistral 4 as its config gives it (its rope parameters name the rotated part of a query head)
+    and as the language model of an image-text (mistral3) checkpoint; a rotated part other than
+    the latent's is refused."""
+    from transformers import AutoConfig, Mistral4Config
+
+    text = Mistral4Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                          num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=2, n_group=4, topk_group=2,
+                          routed_scaling_factor=2.0, first_k_dense_replace=1)
+    assert text.rope_parameters["partial_rotary_factor"] == 8 / 24 and text.rope_parameters["llama_4_scaling_beta"] == 0.1
+    outer = AutoConfig.for_model("mistral3", text_config=text.to_dict(),
+                                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                    num_attention_heads=2, head_dim=16, image_size=28, patch_size=14))
+    for config in (text, outer):
+        spec = ModelSpec.from_hf_config(config)
+        assert spec.latent == LatentShape(q_rank=24, kv_rank=32, nope=16, rope=8, v=12) and spec.rotary_dim is None
+        assert spec.query_position_scaling == (0.1, 8192) and spec.rope_scaling["rope_type"] == "yarn"
+        assert spec.expert_groups == (4, 2) and spec.routed_scale == 2.0 and spec.normalize_routing
+        assert spec.scores_in_model_dtype and not spec.sigmoid_routing and not spec.routing_bias
+        assert spec.shared_expert_size == 48 and not spec.shared_expert_gated and spec.dense_layers == (0,)
+    with pytest.raises(ModelError, match="partial_rotary_factor 0.5: latent attention rotates qk_rope_head_dim"):
+        ModelSpec.from_hf_config(SimpleNamespace(**{**text.to_dict(), "rope_parameters": {
+            **text.rope_parameters, "partial_rotary_factor": 0.5}}))
 
 
 def test_the_latent_norms_take_deepseeks_epsilon():

@@ -17,7 +17,7 @@ from backends.torch.model import ModelError, ModelSpec
 from backends.torch.moe import SparseMoE
 from test_torch_engine import assert_greedy_matches_transformers, random_prompts
 from test_torch_gemma import assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, hf_prompt_logprobs
-from torch_models import tiny_checkpoint
+from torch_models import hf_auto_class, tiny_checkpoint
 
 ARCHS = ["glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2"]
 
@@ -111,12 +111,10 @@ def test_routing_matches_transformers_routers(checkpoints, arch, dtype):
 def assert_routing_matches_transformers(folder, dtype):
     """SparseMoE.route on ``folder``'s first sparse layer against transformers' router on 4,000
     rows in ``dtype``: the same experts (as sets) with the same weights."""
-    from transformers import AutoModelForCausalLM
-
     from backends.torch.loader import load_checkpoint
     from backends.torch.model import CausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+    ref = hf_auto_class(folder).from_pretrained(str(folder), dtype=dtype, local_files_only=True)
     ckpt = load_checkpoint(folder)
     ours = CausalLM.from_state_dict(ckpt.spec, 64, dict(ckpt.weights), dtype)
     moe = next(m for m in ours.modules() if isinstance(m, SparseMoE))

@@ -21,7 +21,7 @@ def smollm2_folder() -> Path:
     return gguf_folder(GGUF)
 
 
-LATENT_ARCHS = ("deepseek_v2", "deepseek_v2-groups", "deepseek_v3", "glm4_moe_lite")
+LATENT_ARCHS = ("deepseek_v2", "deepseek_v2-groups", "deepseek_v3", "glm4_moe_lite", "mistral4")
 """The tiny checkpoints with multi-head latent attention."""
 
 
@@ -375,6 +375,17 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                        "original_max_position_embeddings": 128, "mscale": 1.0,
                                                        "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+        elif arch == "mistral4":  # Mistral 4's: V3's attention, its queries scaled by position (llama_4_scaling_beta,
+            # from 16 on); softmax scores choose 2 of 8 experts in 4 groups, 2 kept, renormalised, times 2
+            from transformers import Mistral4Config
+
+            config = Mistral4Config(**common, **latent, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2,
+                                    n_group=4, topk_group=2, routed_scaling_factor=2.0, norm_topk_prob=True,
+                                    rope_interleave=True, pad_token_id=0,
+                                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                     "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                     "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                                     "llama_4_scaling_beta": 0.5})
         else:  # glm4_moe_lite, GLM-4.7-Flash: V3's attention with rotate-half pairs; layer 0 dense by mlp_layer_types
             from transformers import Glm4MoeLiteConfig
 
@@ -524,7 +535,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
-    if arch.endswith("-mm"):
+    if arch.endswith("-mm") or arch == "mistral4":  # transformers 5.25 maps Mistral 4's causal LM there only
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -716,10 +727,12 @@ def engine_intermediate_size(folder: Path) -> int:
 def hf_auto_class(folder: Path):
     """The transformers auto class whose model of ``folder`` is the reference. Qwen3.5's
     AutoModelForCausalLM is its language model alone, built from ``text_config``, which does not
-    say that the embeddings are tied: there the whole image-text model is."""
+    say that the embeddings are tied: there the whole image-text model is. transformers 5.25 maps
+    Mistral 4's causal LM under AutoModelForImageTextToText only."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    image_text = AutoConfig.from_pretrained(str(folder), local_files_only=True).model_type in ("qwen3_5", "qwen3_5_moe")
+    image_text = AutoConfig.from_pretrained(str(folder), local_files_only=True).model_type in (
+        "qwen3_5", "qwen3_5_moe", "mistral4")
     return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
 
 

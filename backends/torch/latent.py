@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA): DeepSeek-V2's and V3's, GLM-4.7-Flash's.
+"""Multi-head latent attention (MLA): DeepSeek-V2's and V3's, GLM-4.7-Flash's, Mistral 4's.
 
 Every token's keys and values come from one small latent. ``kv_a_proj_with_mqa`` projects the
 hidden state to a latent of ``kv_rank`` dimensions (then normalised by ``kv_a_layernorm``) and
@@ -131,6 +131,8 @@ class LatentAttention(nn.Module):
         # Each head's query into the latent's space: [heads, n, nope] @ [heads, nope, kv_rank].
         q_latent = torch.bmm(q[..., : shape.nope].transpose(0, 1), self.w_uk).transpose(0, 1)
         query = torch.cat((q_latent, rotated[:, : self.heads]), dim=-1)
+        if q_scale is not None:  # Mistral 4: the whole query scaled by its position (as Ministral 3's)
+            query = query * q_scale
         key = torch.cat((latent, rotated[:, self.heads]), dim=-1).unsqueeze(1)
         out = paged_attention(query, key, None, meta, self.layer, self.scale)  # [n, heads, kv_rank]
         out = torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2))  # [heads, n, v]

@@ -2,7 +2,7 @@
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
 Apertus, Gemma 1/2/3/4, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
 Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
-(:mod:`.latent`) DeepSeek-V2, V3 and GLM-4.7-Flash; LFM2 with short convolutions (:mod:`.conv`);
+(:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash and Mistral 4; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
 Nemotron-H with Mamba2 layers (:mod:`.mamba`), Falcon-H1 with a Mamba2 mixer beside every attention) as plain
 torch modules.
@@ -109,9 +109,11 @@ class ModelSpec:
     groups_by_best: bool = False  # DeepSeek-V2: a group scores its best expert's score, not its two best summed
     routed_scale: float | None = None
     float_router: bool = False
-    # LFM2-MoE: the sigmoid scores, their renormalisation (by the sum plus 1e-6) and scaling in the
-    # router's dtype, the choice bias float32, as transformers computes them.
+    # LFM2-MoE: the sigmoid scores, their renormalisation (by the sum plus renorm_eps, 1e-6) and
+    # scaling in the router's dtype, the choice bias float32, as transformers computes them;
+    # Mistral 4: its softmax scores so.
     scores_in_model_dtype: bool = False
+    renorm_eps: float = 0.0
     # Layers of a MoE model with a plain MLP of intermediate_size instead (Qwen's mlp_only_layers
     # and decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
@@ -249,7 +251,7 @@ class ModelSpec:
                  "granite_swa", "granitemoe_swa", "olmo_hybrid",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
-                 "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4")
+                 "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -266,7 +268,7 @@ class ModelSpec:
     """Activations one model type has (its ungated MLPs'), and which."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
-    LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+    LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
     """Model types whose attention is multi-head latent attention."""
     GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
     """Model types with Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5's
@@ -487,6 +489,9 @@ class ModelSpec:
             local = {"rope_theta": theta}
         local_scaling = _rope_scaling(local, cfg) if local is not None else None
         partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+        if model_type == "mistral4" and latent is not None and partial is not None and math.isclose(
+                float(partial), latent.rope / (latent.rope + latent.nope)):
+            partial = None  # its rope parameters say which part of a query head rotates: the latent's rotated part
         if (scaling or {}).get("rope_type") == "proportional" or model_type in ("lfm2", "lfm2_moe", "lfm3"):
             partial = None  # proportional: its factor zeroes frequencies (rope_inv_freq); LFM's rotate whole heads
         rotary_dim = None
@@ -599,7 +604,7 @@ class ModelSpec:
             qk_norm_whole=whole_qk_norms,
             rotary_dim=rotary_dim,
             interleaved_rotary=interleaved,
-            query_position_scaling=_query_position_scaling(scaling) if model_type == "ministral3" else None,
+            query_position_scaling=_query_position_scaling(scaling) if model_type in ("ministral3", "mistral4") else None,
             **_experts(cfg, model_type),
             activation=cls.ACTIVATIONS[act],
             embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier") or (
@@ -1098,6 +1103,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
         return _lfm2_moe_routing(cfg)
     elif model_type == "llama4_text":
         return _llama4_routing(cfg)
+    elif model_type == "mistral4":
+        return _mistral4_routing(cfg)
     else:
         return {}
     top_k = _experts_per_token(cfg, experts)
@@ -1132,6 +1139,20 @@ def _llama4_routing(cfg: Any) -> dict[str, Any]:
                 shared_expert_gated=False, dense_layers=tuple(i for i in range(layers) if i not in moe))
 
 
+def _mistral4_routing(cfg: Any) -> dict[str, Any]:
+    """Mistral 4's experts (``n_routed_experts`` of ``moe_intermediate_size``) from layer
+    ``first_k_dense_replace`` on, as DeepSeek-V3's groups choose them (``n_group``, ``topk_group``,
+    by their two best scores) but from softmax scores and with no choice bias, all in the router's
+    dtype (the model's), renormalised with ``norm_topk_prob`` (by the sum plus 1e-20: the sum, for
+    sums of at least 1e-12), times ``routed_scaling_factor``; ``n_shared_experts`` of the same size
+    added ungated."""
+    experts, size = cfg.n_routed_experts, cfg.moe_intermediate_size
+    return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts), expert_size=size,
+                dense_layers=_first_dense_layers(cfg), normalize_routing=bool(getattr(cfg, "norm_topk_prob", True)),
+                scores_in_model_dtype=True, shared_expert_gated=False, **_groups_and_scale(cfg, experts),
+                shared_expert_size=size * int(getattr(cfg, "n_shared_experts", 0) or 0))
+
+
 def _lfm2_moe_routing(cfg: Any) -> dict[str, Any]:
     """LFM2-MoE's experts (``num_experts`` of ``moe_intermediate_size``) in every layer from
     ``num_dense_layers`` on: sigmoid scores of the router's logits, the experts chosen by the
@@ -1143,6 +1164,7 @@ def _lfm2_moe_routing(cfg: Any) -> dict[str, Any]:
     return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts),
                 expert_size=cfg.moe_intermediate_size, dense_layers=tuple(range(min(dense, cfg.num_hidden_layers))),
                 sigmoid_routing=True, routing_bias=bool(getattr(cfg, "use_expert_bias", True)), scores_in_model_dtype=True,
+                renorm_eps=1e-6,
                 normalize_routing=bool(getattr(cfg, "norm_topk_prob", True)), **_groups_and_scale(cfg, experts))
 
 

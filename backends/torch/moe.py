@@ -11,7 +11,8 @@ its top-k logits too, with no bias. GLM-4.5, dots.llm1 and MiniMax-M2 route as D
 sigmoid scores, plus a learned bias to choose the experts (not to weight them), among the best
 groups of experts where the config has groups, the weights times ``routed_scaling_factor``;
 ERNIE 4.5 the same from softmax scores. DeepSeek-V2 chooses by softmax scores alone, in groups
-scored by their best expert. Their shared experts are added ungated. Llama 4 chooses by its logits
+scored by their best expert. Mistral 4 chooses as DeepSeek-V3 from softmax scores without a bias,
+in the router's dtype. Their shared experts are added ungated. Llama 4 chooses by its logits
 and weights each chosen expert's input, not its output, by the logit's sigmoid; a shared expert
 is added ungated. Gemma 4's experts run beside
 each layer's MLP: softmax scores of its scaled router, renormalised over the chosen ones, each
@@ -69,7 +70,8 @@ class SparseMoE(nn.Module):
         self.groups_by_best = spec.groups_by_best
         self.stacked_in_out = spec.stacked_in_out
         self.float_router = spec.float_router
-        self.scores_in_model_dtype = spec.scores_in_model_dtype  # LFM2-MoE's
+        self.scores_in_model_dtype = spec.scores_in_model_dtype  # LFM2-MoE's, Mistral 4's
+        self.renorm_eps = spec.renorm_eps
         self.weights_on_input = spec.weights_on_input  # Llama 4's
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
         # Gemma 4's router: its input through router_norm (an RMSNorm without weight) times input_scale
@@ -115,7 +117,7 @@ class SparseMoE(nn.Module):
         if self.sigmoid:
             scores = torch.sigmoid(logits if self.scores_in_model_dtype else logits.float())
         else:
-            scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+            scores = F.softmax(logits, dim=-1, dtype=logits.dtype if self.scores_in_model_dtype else torch.float32)
         if self.choice_bias is None and self.groups is None:
             weights, chosen = torch.topk(scores, self.top_k, dim=-1)
         else:
@@ -124,7 +126,7 @@ class SparseMoE(nn.Module):
             weights = scores.gather(1, chosen)
         if self.normalize:
             total = weights.sum(dim=-1, keepdim=True)
-            weights = weights / (total + 1e-6 if self.scores_in_model_dtype else total)
+            weights = weights / (total + self.renorm_eps if self.renorm_eps else total)
         if self.routed_scale is not None:
             weights = weights * self.routed_scale
         if self.expert_scale is not None:

@@ -35,7 +35,7 @@ from torch_models import tiny_checkpoint
 
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
          "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2",
-         "hunyuan", "apertus", "granite_swa", "granitemoe_swa"]
+         "hunyuan", "apertus", "granite_swa", "granitemoe_swa", "arcee", "internlm3", "vaultgemma", "helium"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,10 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # parallel blocks, adjacent rotary pairs in float32, logits times 0.3, biases, per-head q/k
     # norm weights; cohere2: layer 0 sliding over 8, layer 1 without rotary, logits times 0.5;
     # hunyuan: per-head q/k norms after the rotary, whose base an NTK alpha of 1000 stretches;
-    # apertus: ungated MLPs through xIELU with slopes of their own, per-head q/k norms.
+    # apertus: ungated MLPs through xIELU with slopes of their own, per-head q/k norms; arcee:
+    # ungated MLPs of squared ReLU; internlm3: biases on q, k, v, o and the MLP; vaultgemma: Gemma
+    # 2 without its blocks' output norms (a window of 8 on layer 0, capped scores and logits);
+    # helium: adjacent rotary pairs, norms scaled in float32, q/k/v biases without o's.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -101,6 +104,9 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("cohere", {"use_qk_norm": False}),
     ("cohere2", {"layer_types": ["sliding_attention", "sliding_attention"]}),
     ("hunyuan", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    ("vaultgemma", {"attn_logit_softcapping": None}),
+    ("vaultgemma", {"sliding_window": 4}),
+    ("internlm3", {"attention_bias": False, "mlp_bias": False}),
     ("ministral", {"layer_types": ["full_attention", "full_attention"]}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
@@ -130,7 +136,10 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("granitemoeshared", "int8", "auto"), ("granite4", "int4", "auto"),
                                          ("granite4-moe", "int8", "bfloat16"), ("granite_swa", "int8", "auto"),
                                          ("granite_swa", "int4", "bfloat16"), ("granitemoe_swa", "int4", "auto"),
-                                         ("hunyuan", "int8", "auto"), ("hunyuan", "int4", "bfloat16")])
+                                         ("hunyuan", "int8", "auto"), ("hunyuan", "int4", "bfloat16"),
+                                         ("internlm3", "int8", "auto"), ("vaultgemma", "int4", "auto"),
+                                         ("vaultgemma", "int8", "float16"), ("helium", "int8", "auto"),
+                                         ("helium", "int4", "bfloat16")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take
@@ -369,11 +378,12 @@ def test_exaone4_and_seed_oss_specs():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["cohere", "apertus"])
+@pytest.mark.parametrize("arch", ["cohere", "apertus", "arcee"])
 def test_what_the_c_step_lacks_runs_as_torch_operations(checkpoints, arch, fmt):
-    """The C step has no mean-centred norms nor parallel blocks (Cohere), no ungated xIELU MLPs
-    (Apertus): under int8 and int4 their packed projections run as torch operations, near the
-    float engine's logprobs (measured 0.002 and 0.009 int8, 0.02 and 0.17 int4)."""
+    """The C step has no mean-centred norms nor parallel blocks (Cohere), no ungated xIELU or
+    squared-ReLU MLPs (Apertus, Arcee): under int8 and int4 their packed projections run as torch
+    operations, near the float engine's logprobs (measured 0.002 and 0.009 int8, 0.02 and 0.17
+    int4 for the first two)."""
     assert packed_torch_path_distance(checkpoints[arch], fmt) < (0.05 if fmt == "int8" else 0.3)
 
 

@@ -19,7 +19,7 @@ from test_torch_engine import assert_greedy_matches_transformers, random_prompts
 from test_torch_gemma import assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, hf_prompt_logprobs
 from torch_models import hf_auto_class, tiny_checkpoint
 
-ARCHS = ["glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2"]
+ARCHS = ["glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "solar_open"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # renormalised and times 2.5, plus a shared expert; a multi-token prediction layer in the
     # file, unread. dots1: 3 of 8 experts from 1 of 2 groups, not renormalised, times 1.5, 2
     # shared experts. ernie4_5_moe: 2 of 6 by softmax plus the bias, a shared expert.
-    # minimax_m2: 2 of 4 by sigmoid plus the bias on both layers.
+    # minimax_m2: 2 of 4 by sigmoid plus the bias on both layers. solar_open: GLM-4.5's experts
+    # (2 of 8 from 2 of 4 groups, times 2.5, a shared expert) on every layer, Llama's attention.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -52,6 +53,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("glm4_moe", {"use_qk_norm": False}),
     ("dots1", {"norm_topk_prob": True}),
     ("dots1", {"n_group": 1, "topk_group": 1}),
+    ("solar_open", {"n_group": 1, "topk_group": 1}),
     ("minimax_m2", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 1.0}}),
 ])
 def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
@@ -131,7 +133,8 @@ def assert_routing_matches_transformers(folder, dtype):
 @pytest.mark.parametrize("arch,fmt,kv", [("glm4_moe", "int8", "auto"), ("glm4_moe", "int4", "bfloat16"),
                                          ("dots1", "int8", "auto"), ("dots1", "int4", "auto"),
                                          ("ernie4_5_moe", "int8", "auto"), ("ernie4_5_moe", "int4", "float16"),
-                                         ("minimax_m2", "int8", "auto"), ("minimax_m2", "int4", "auto")])
+                                         ("minimax_m2", "int8", "auto"), ("minimax_m2", "int4", "auto"),
+                                         ("solar_open", "int8", "auto"), ("solar_open", "int4", "bfloat16")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (the choice bias, the groups, sigmoid scores, the scaling factor,
     shared experts added ungated) gives the packed torch path's tokens, logprobs within 0.02."""

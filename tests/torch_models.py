@@ -529,6 +529,40 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
                                   layer_types=["linear_attention", "linear_attention", "full_attention",
                                                "linear_attention"], pad_token_id=0,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif arch == "arcee":  # Arcee (AFM): ungated MLPs of squared ReLU
+        from transformers import ArceeConfig
+
+        config = ArceeConfig(**common, pad_token_id=0)
+    elif arch == "internlm3":  # InternLM3: Llama with biases on q, k, v, o and the MLP
+        from transformers import InternLM3Config
+
+        config = InternLM3Config(**common, attention_bias=True, mlp_bias=True, pad_token_id=0)
+    elif arch == "vaultgemma":  # VaultGemma: Gemma 2 without its blocks' output norms (a window of 8 on layer 0,
+        # capped scores and logits)
+        from transformers import VaultGemmaConfig
+
+        config = VaultGemmaConfig(**gemma, head_dim=16, query_pre_attn_scalar=64, sliding_window=8,
+                                  attn_logit_softcapping=2.0, final_logit_softcapping=6.0)
+    elif arch == "youtu":  # Youtu-LLM: DeepSeek-V3's latent attention (a query bottleneck, interleaved rotary
+        # pairs) over dense MLPs, tied
+        from transformers import YoutuConfig
+
+        config = YoutuConfig(**{**common, "num_key_value_heads": 4, "tie_word_embeddings": True}, kv_lora_rank=32,
+                             q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                             rope_interleave=True, pad_token_id=None)  # transformers zeroes a padding row of
+        # Youtu's embeddings as it loads them (its _init_weights), whatever the checkpoint holds: none here
+    elif arch == "solar_open":  # Solar Open: Llama's attention (q, k, v biases), GLM-4.5's experts on every layer
+        # (2 of 8 from 2 of 4 groups by biased sigmoid scores, times 2.5; a shared expert)
+        from transformers import SolarOpenConfig
+
+        config = SolarOpenConfig(**{k: v for k, v in common.items() if k != "intermediate_size"}, head_dim=16,
+                                 n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+                                 n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                 attention_bias=True, pad_token_id=0)
+    elif arch == "helium":  # Helium: adjacent rotary pairs, norms scaled in float32, q/k/v biases without o's
+        from transformers import HeliumConfig
+
+        config = HeliumConfig(**common, head_dim=16, attention_bias=True, pad_token_id=0)  # its o_proj: hidden x hidden
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)

@@ -104,8 +104,8 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
         return "Cohere's mean-centred norms and parallel blocks"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
         return f"linear attention or Mamba layers ({STATE_MODELS})"
-    if spec.activation == "xielu":
-        return "ungated MLPs with xIELU (Apertus)"
+    if spec.activation in ("xielu", "relu2"):
+        return "ungated MLPs with xIELU (Apertus) or squared ReLU (Arcee)"
     if spec.value_norms or spec.full_head_dim is not None or spec.layer_scalars:
         return "Gemma 4's value norms, layer scalars, heads of two sizes, per-layer embeddings and shared caches"
     if spec.chunked_windows or spec.weightless_qk_norm or spec.nope_temperature or spec.weights_on_input:

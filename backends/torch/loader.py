@@ -260,6 +260,8 @@ _RENAMED = {
     # `.experts.gate_up_proj`, `.shared_expert.`)
     "llama4_text": ((".feed_forward.", ".mlp."),),
     "llama4": ((".feed_forward.", ".mlp."),),
+    # VaultGemma: Gemma 2's layers without their output norms, the MLP's input norm by Gemma 2's name
+    "vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
     # Apertus: its blocks' input norms
     "apertus": ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm.")),
 }

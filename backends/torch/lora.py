@@ -87,8 +87,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
         raise fail("adapters of a model with short convolutions (LFM2) are not supported")
     if spec.recurrent or spec.block_kinds:  # the same, and its attention's q_proj holds gates too
         raise fail(f"adapters of a model with linear-attention or Mamba layers ({STATE_MODELS}) are not supported")
-    if spec.activation == "xielu":  # no gate_up_proj to add to
-        raise fail("adapters of a model with ungated MLPs (Apertus) are not supported")
+    if spec.activation in ("xielu", "relu2"):  # no gate_up_proj to add to
+        raise fail("adapters of a model with ungated MLPs (Apertus, Arcee) are not supported")
     if spec.value_norms:  # q, k and v sized layer by layer, some layers without k and v (their own or at all)
         raise fail("adapters of Gemma 4 are not supported")
     targets, rows = _targets(spec), spec.qkv_row_order()

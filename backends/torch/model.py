@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
-Apertus, Gemma 1/2/3/4, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
-Granite 3's, GLM-4.5, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
-(:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash and Mistral 4; LFM2 with short convolutions (:mod:`.conv`);
+Apertus, Arcee, InternLM3, Helium, Gemma 1/2/3/4, VaultGemma, and the mixtures of experts Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, Solar Open, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
+(:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash, Mistral 4 and Youtu-LLM; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
 Nemotron-H with Mamba2 layers (:mod:`.mamba`), Falcon-H1 with a Mamba2 mixer beside every attention) as plain
 torch modules.
@@ -251,7 +251,8 @@ class ModelSpec:
                  "granite_swa", "granitemoe_swa", "olmo_hybrid",
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
-                 "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4")
+                 "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
+                 "vaultgemma", "youtu", "solar_open", "helium")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -261,14 +262,14 @@ class ModelSpec:
     Qwen3-VL's (dense and experts) and GLM-4.1V's and 4.5V's, whose multimodal rotary
     (``mrope_section``) turns every section by the same position on text, which is the plain
     rotary. Their outer configs say whether the embeddings are tied."""
-    GEMMA = ("gemma", "gemma2", "gemma3_text", "gemma4_text")
+    GEMMA = ("gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma")
     # The config's name -> ours.
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu", "relu2": "relu2"}
-    OWN_ACTIVATIONS = {"xielu": "apertus", "relu2": "nemotron_h"}
-    """Activations one model type has (its ungated MLPs'), and which."""
+    OWN_ACTIVATIONS = {"xielu": ("apertus",), "relu2": ("nemotron_h", "arcee")}
+    """Activations some model types have (their ungated MLPs'), and which; those types have no other."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
-    LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
+    LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu")
     """Model types whose attention is multi-head latent attention."""
     GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
     """Model types with Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5's
@@ -459,11 +460,12 @@ class ModelSpec:
             act = getattr(cfg, "mlp_hidden_act", "relu2")
         if gemma and act == "gelu":
             act = "gelu_pytorch_tanh"  # Gemma's first releases say "gelu" and mean the tanh form, as transformers reads it
-        if act not in cls.ACTIVATIONS or cls.OWN_ACTIVATIONS.get(act, model_type) != model_type or (
-                model_type in cls.OWN_ACTIVATIONS.values() and act not in cls.OWN_ACTIVATIONS):
+        own = {m for types in cls.OWN_ACTIVATIONS.values() for m in types}
+        if act not in cls.ACTIVATIONS or model_type not in cls.OWN_ACTIVATIONS.get(act, (model_type,)) or (
+                model_type in own and act not in cls.OWN_ACTIVATIONS):
             supported = ", ".join(a for a in cls.ACTIVATIONS if a not in cls.OWN_ACTIVATIONS)
             raise ModelError(f"hidden_act `{act}` is not supported; supported: {supported} (xielu: Apertus's; "
-                             "relu2: Nemotron-H's)")
+                             "relu2: Nemotron-H's and Arcee's)")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         latent = LatentShape.of(cfg, ModelError) if model_type in cls.LATENT else None
@@ -551,7 +553,8 @@ class ModelSpec:
         if lfm3 and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) and not getattr(cfg, "sliding_window", None):
             # its sliding layers would attend to everything yet rotate as sliding ones: none of its releases
             raise ModelError("sliding_window null: LFM3's sliding_attention layers need a window")
-        intermediate = lfm2.pop("intermediate_size", cfg.intermediate_size)  # LFM2's adjusted width
+        # LFM2's adjusted width; Solar Open has none (experts on every layer)
+        intermediate = lfm2.pop("intermediate_size", None) or getattr(cfg, "intermediate_size", 0)
         llama4 = _llama4_fields(cfg) if model_type == "llama4_text" else {}
         if llama4:  # its dense layers' MLPs (intermediate_size: each expert's)
             intermediate = cfg.intermediate_size_mlp
@@ -572,7 +575,7 @@ class ModelSpec:
         # DeepSeek-V2 rotates adjacent pairs as complex numbers, in float32; V3 and GLM-4.7-Flash
         # adjacent pairs (rope_interleave) in the model's dtype.
         deepseek_v2 = model_type == "deepseek_v2"
-        interleaved = glm or ernie or deepseek_v2 or cohere or bool(llama4) or (
+        interleaved = glm or ernie or deepseek_v2 or cohere or bool(llama4) or model_type == "helium" or (
             latent is not None and bool(getattr(cfg, "rope_interleave", True)))
         return cls(
             vocab_size=cfg.vocab_size,
@@ -623,7 +626,7 @@ class ModelSpec:
             local_rope_theta=float(local.get("rope_theta", 10000.0)) if local is not None else None,
             local_rope_scaling=local_scaling,
             scaled_max_position=model_type == "gemma3_text",
-            float_norms=gemma or olmo or model_type in ("gpt_oss", "nemotron_h"),
+            float_norms=gemma or olmo or model_type in ("gpt_oss", "nemotron_h", "helium"),
             attention_sinks=model_type in ("gpt_oss", *GRANITE_SWA),
             nope_layers=_nope_layers(cfg) if model_type in ("smollm3", "llama4_text") else (
                 _full_layers(cfg, sliding_layers) if exaone and window else ()) or (
@@ -657,7 +660,8 @@ def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
         return use_bias
     if model_type == "seed_oss":
         return bool(getattr(cfg, "attention_out_bias", False))
-    if model_type in ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe", "nemotron_h"):  # Nemotron-H: none at all
+    if model_type in ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe", "nemotron_h", "solar_open", "helium"):
+        # Nemotron-H: none at all; Solar Open and Helium: q, k and v's only
         return False
     return bool(getattr(cfg, "attention_bias", False))
 
@@ -1120,7 +1124,7 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
                 expert_bias=gpt_oss, clamped_swiglu=swiglu)
 
 
-BIASED_ROUTING = ("glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
+BIASED_ROUTING = ("glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "solar_open")
 """Mixtures of experts that choose their experts by scores plus a learned bias (DeepSeek-V3's
 routing; :class:`ModelSpec`'s ``routing_bias``)."""
 
@@ -1203,7 +1207,7 @@ def _biased_routing(cfg: Any, model_type: str) -> dict[str, Any]:
     elif model_type == "minimax_m2":
         experts, size, dense = cfg.num_local_experts, cfg.intermediate_size, ()
         routing.update(normalize_routing=True, sigmoid_routing=True, float_routing_weights=True)
-    else:  # glm4_moe, dots1, deepseek_v3, glm4_moe_lite
+    else:  # glm4_moe, dots1, deepseek_v3, glm4_moe_lite, solar_open (GLM-4.5's experts on every layer)
         experts, size = cfg.n_routed_experts, cfg.moe_intermediate_size
         dense = _first_dense_layers(cfg)
         kinds = getattr(cfg, "mlp_layer_types", None) if model_type == "glm4_moe_lite" else None
@@ -1292,7 +1296,8 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text", "gemma4_text", "gpt_oss", "olmo3", "ministral", "exaone4", "cohere2", "lfm3",
+    if model_type in ("gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "gpt_oss", "olmo3", "ministral", "exaone4",
+                      "cohere2", "lfm3",
                       *GRANITE_SWA):
         pattern = getattr(cfg, "sliding_window_pattern", None)
         if types is None and model_type == "exaone4" and isinstance(pattern, str) and pattern:  # "LLLG"
@@ -1727,6 +1732,8 @@ class DecoderLayer(nn.Module):
         self.scalar = nn.Parameter(torch.ones(1), requires_grad=False) if spec.layer_scalars else None
         if spec.activation == "xielu":
             self.mlp = XieluMLP(spec.hidden_size, spec.intermediate_size)
+        elif spec.activation == "relu2":  # Arcee: ungated, squared ReLU
+            self.mlp = PlainMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
         elif spec.is_sparse(layer) and not spec.experts_beside_mlp:
             self.mlp = SparseMoE(spec, lambda size: MLP(
                 spec.hidden_size, size, spec.expert_bias, spec.activation, spec.clamped_swiglu
@@ -1975,7 +1982,7 @@ class CausalLM(nn.Module):
                 layer.mamba.load(p + "mamba.", weights)
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.load(p, weights)
-            elif isinstance(layer.mlp, XieluMLP):
+            elif isinstance(layer.mlp, (XieluMLP, PlainMLP)):
                 layer.mlp.load(p + "mlp.", weights)
             elif weights.has(p + "shared_mlp.input_linear.weight"):  # Granite 4's dense models: gate and up fused
                 load_fused_mlp(layer.mlp, p + "shared_mlp.", weights)

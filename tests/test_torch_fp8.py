@@ -113,6 +113,19 @@ def test_dequantize_fp8_by_blocks_partial_ones_too(shape, block):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("scale_shape", [(3,), (3, 1, 1), (3, 2, 1)])
+def test_dequantize_fp8_stacked_experts_by_expert(scale_shape):
+    """Stacked experts [E, 2I, H] without a block size: a scale an expert, or one for each of an
+    expert's gate and up halves (Mistral 4's FP8 release)."""
+    torch.manual_seed(0)
+    q = (torch.randn(3, 8, 5) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(scale_shape) + 0.1
+    full = scale.reshape(3, -1, 1).repeat_interleave(8 // scale.reshape(3, -1, 1).shape[1], dim=1)
+    assert torch.equal(dequantize_fp8(q, scale, None), q.float() * full)
+    with pytest.raises(ValueError, match="no weight_block_size"):  # tiles that do not divide an expert
+        dequantize_fp8(q, torch.ones(3, 3, 1), None)
+
+
 def test_dequantize_fp8_one_scale_and_the_wrong_scales():
     q = torch.tensor([[1.5, -2.0], [448.0, 0.0]]).to(torch.float8_e4m3fn)
     assert torch.equal(dequantize_fp8(q, torch.tensor(0.5), None), torch.tensor([[0.75, -1.0], [224.0, 0.0]]))

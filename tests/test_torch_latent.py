@@ -217,6 +217,9 @@ def test_latent_scale_follows_yarn_mscale_all_dim():
     assert latent_scale(shape, {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 0}) == 8**-0.5
     m = 0.1 * 0.5 * math.log(4.0) + 1
     assert latent_scale(shape, {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 0.5}) == pytest.approx(8**-0.5 * m * m)
+    # Mistral's own format's apply_scale false, as vLLM and SGLang read it: the base scale
+    assert latent_scale(shape, {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 0.5,
+                                "apply_yarn_scaling": False}) == 8**-0.5
 
 
 def test_attention_adapters_are_refused_under_latent_attention(checkpoints, tmp_path):

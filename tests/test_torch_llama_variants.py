@@ -35,7 +35,8 @@ from torch_models import tiny_checkpoint
 
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
          "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2",
-         "hunyuan", "apertus", "granite_swa", "granitemoe_swa", "arcee", "internlm3", "vaultgemma", "helium"]
+         "hunyuan", "apertus", "granite_swa", "granitemoe_swa", "arcee", "internlm3", "vaultgemma", "helium",
+         "hunyuan_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # apertus: ungated MLPs through xIELU with slopes of their own, per-head q/k norms; arcee:
     # ungated MLPs of squared ReLU; internlm3: biases on q, k, v, o and the MLP; vaultgemma: Gemma
     # 2 without its blocks' output norms (a window of 8 on layer 0, capped scores and logits);
-    # helium: adjacent rotary pairs, norms scaled in float32, q/k/v biases without o's.
+    # helium: adjacent rotary pairs, norms scaled in float32, q/k/v biases without o's;
+    # hunyuan_moe: Hunyuan's attention, 2 of 4 experts by a float32 softmax router, a shared MLP.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -107,6 +109,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("vaultgemma", {"attn_logit_softcapping": None}),
     ("vaultgemma", {"sliding_window": 4}),
     ("internlm3", {"attention_bias": False, "mlp_bias": False}),
+    ("hunyuan_moe", {"moe_topk": 1}),
     ("ministral", {"layer_types": ["full_attention", "full_attention"]}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
@@ -139,7 +142,8 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("hunyuan", "int8", "auto"), ("hunyuan", "int4", "bfloat16"),
                                          ("internlm3", "int8", "auto"), ("vaultgemma", "int4", "auto"),
                                          ("vaultgemma", "int8", "float16"), ("helium", "int8", "auto"),
-                                         ("helium", "int4", "bfloat16")])
+                                         ("helium", "int4", "bfloat16"), ("hunyuan_moe", "int8", "auto"),
+                                         ("hunyuan_moe", "int4", "bfloat16")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take

@@ -19,7 +19,7 @@ from test_torch_engine import assert_greedy_matches_transformers, random_prompts
 from test_torch_gemma import assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, hf_prompt_logprobs
 from torch_models import hf_auto_class, tiny_checkpoint
 
-ARCHS = ["glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "solar_open"]
+ARCHS = ["glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "solar_open", "exaone_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # shared experts. ernie4_5_moe: 2 of 6 by softmax plus the bias, a shared expert.
     # minimax_m2: 2 of 4 by sigmoid plus the bias on both layers. solar_open: GLM-4.5's experts
     # (2 of 8 from 2 of 4 groups, times 2.5, a shared expert) on every layer, Llama's attention.
+    # exaone_moe: the same experts from layer 1 on (mlp_layer_types), EXAONE 4's attention (layer 0
+    # sliding over 8, layers 1 and 3 full without rotary) in Llama's blocks.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -54,6 +56,8 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("dots1", {"norm_topk_prob": True}),
     ("dots1", {"n_group": 1, "topk_group": 1}),
     ("solar_open", {"n_group": 1, "topk_group": 1}),
+    ("exaone_moe", {"n_group": 1, "topk_group": 1}),
+    ("exaone_moe", {"layer_types": ["full_attention"] * 4}),
     ("minimax_m2", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 1.0}}),
 ])
 def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
@@ -134,7 +138,8 @@ def assert_routing_matches_transformers(folder, dtype):
                                          ("dots1", "int8", "auto"), ("dots1", "int4", "auto"),
                                          ("ernie4_5_moe", "int8", "auto"), ("ernie4_5_moe", "int4", "float16"),
                                          ("minimax_m2", "int8", "auto"), ("minimax_m2", "int4", "auto"),
-                                         ("solar_open", "int8", "auto"), ("solar_open", "int4", "bfloat16")])
+                                         ("solar_open", "int8", "auto"), ("solar_open", "int4", "bfloat16"),
+                                         ("exaone_moe", "int8", "auto"), ("exaone_moe", "int4", "auto")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (the choice bias, the groups, sigmoid scores, the scaling factor,
     shared experts added ungated) gives the packed torch path's tokens, logprobs within 0.02."""

@@ -490,6 +490,22 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         config = HunYuanDenseV1Config(**common, head_dim=16, attention_bias=True, pad_token_id=0,
                                       rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                        "rope_theta": 10000.0})
+    elif arch == "hunyuan_moe":  # Hunyuan-A13B's shape: Hunyuan's attention; 4 experts, 2 a token, by a float32
+        # softmax router, renormalised; a shared MLP beside them
+        from transformers import HunYuanMoEV1Config
+
+        config = HunYuanMoEV1Config(**{**common, "intermediate_size": 48}, head_dim=16, attention_bias=True,
+                                    pad_token_id=0, num_experts=4, moe_topk=2,
+                                    rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                     "rope_theta": 10000.0})
+    elif arch == "exaone_moe":  # EXAONE-MoE: EXAONE 4's attention (layer 0 slides over 8, layers 1 and 3 full without
+        # rotary) in Llama's blocks; layer 0 dense, the others 2 of 8 experts from 2 of 4 groups by biased sigmoid
+        # scores, times 2.5, and a shared expert
+        from transformers import ExaoneMoeConfig
+
+        config = ExaoneMoeConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, sliding_window=8,
+                                 sliding_window_pattern=2, moe_intermediate_size=24, num_experts=8,
+                                 num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5)
     elif arch == "apertus":  # Apertus: ungated MLPs with xIELU (slopes of their own a layer), per-head q/k norms,
         # Llama 3's rope
         from transformers import ApertusConfig
@@ -581,9 +597,9 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")):
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
-                if arch == "hunyuan":
+                if arch in ("hunyuan", "hunyuan_moe"):
                     p.mul_(3.0)  # after the rotary they set the scores' scale alone: sharper, so the rotary shows
-            sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm", "exaone4",
+            sharp = ("smollm3", "granite", "granitemoe", "glm", "glm4", "ministral3", "mistral3-mm", "exaone4", "exaone_moe",
                      "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2", "granite_swa",
                      "granitemoe_swa")
             if (arch in sharp or arch in LATENT_ARCHS) and name.endswith(

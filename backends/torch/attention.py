@@ -72,6 +72,9 @@ class AttentionMetadata:
     # Mamba2 layers with a time_step_limit (:mod:`.mamba`): [tokens] whether each row is one of
     # its sequence's prompt tokens (their time steps are held within the limit).
     prompt_rows: torch.Tensor | None = None
+    # The rows whose logits are wanted, on the host (the runner's StepRows.out_rows): Gemma 4's
+    # shared layers compute those alone (CausalLM.wanted_rows_from) without reading them back.
+    wanted_rows: list[int] | None = None
 
 
 CAPPED_SCORES = 1 << 22
@@ -281,7 +284,9 @@ def only_rows(meta: AttentionMetadata, rows: list[int]) -> AttentionMetadata | N
     if i != len(rows):
         return None
     index = torch.tensor(rows, dtype=torch.long).to(meta.slot_mapping.device, non_blocking=True)
-    return replace(meta, slot_mapping=meta.slot_mapping[index], prefills=spans)
+    # Per-row state (convolution windows, state slots, prompt rows, kept states) is not cut: no
+    # model with layers that keep no cache of their own has any.
+    return replace(meta, slot_mapping=meta.slot_mapping[index], prefills=spans, wanted_rows=None)
 
 
 def decode_mask(lengths: torch.Tensor, context: int, window: int | None, chunked: bool = False) -> torch.Tensor | None:

@@ -99,7 +99,7 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
     """Why the C step cannot run ``spec``'s model (the engine then runs the packed projections
     as torch operations); None where it can."""
     if spec.latent is not None or spec.groups_by_best:
-        return "latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)"
+        return "latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, Youtu-LLM)"
     if spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head:
         return "Cohere's mean-centred norms and parallel blocks"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:

@@ -78,12 +78,15 @@ class LatentShape:
 def latent_scale(shape: LatentShape, scaling: dict[str, Any] | None) -> float:
     """The scores' factor as transformers computes it: ``query_dim ** -0.5``, times YaRN's
     ``mscale(factor, mscale_all_dim)`` squared where the rope scaling has one (DeepSeek-V3's
-    ``0.1 * mscale_all_dim * ln(factor) + 1``, for factors above 1)."""
+    ``0.1 * mscale_all_dim * ln(factor) + 1``, for factors above 1), unless it says
+    ``apply_yarn_scaling: false`` (how Mistral's own format's ``apply_scale: false`` reads, which
+    vLLM and SGLang honour: transformers 5.25 does not look)."""
     scale = shape.query_dim**-0.5
     scaling = scaling or {}
     mscale_all_dim = scaling.get("mscale_all_dim") or 0
     factor = float(scaling.get("factor") or 1.0)
-    if scaling.get("rope_type", "default") != "default" and mscale_all_dim and factor > 1:
+    applied = scaling.get("apply_yarn_scaling", True) is not False
+    if scaling.get("rope_type", "default") != "default" and mscale_all_dim and factor > 1 and applied:
         mscale = 0.1 * float(mscale_all_dim) * math.log(factor) + 1.0
         scale *= mscale * mscale
     return scale

@@ -248,6 +248,9 @@ _RENAMED = {
                  (".feed_forward.", ".mlp.")),
     # Hunyuan: its query and key norms
     "hunyuan_v1_dense": ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")),
+    # Hunyuan's experts: its router (`mlp.gate.wg`) and shared MLP (`mlp.shared_mlp.`) by our names
+    "hunyuan_v1_moe": ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."), (".mlp.gate.wg.", ".mlp.gate."),
+                       (".mlp.shared_mlp.", ".mlp.shared_expert.")),
     # Nemotron-H: its embeddings and final norm, its blocks under `backbone.` (each block's `mixer.`
     # is named by its kind when the model loads: model._name_blocks)
     "nemotron_h": (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),

@@ -252,7 +252,7 @@ class ModelSpec:
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
-                 "vaultgemma", "youtu", "solar_open", "helium")
+                 "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -480,7 +480,7 @@ class ModelSpec:
         elif model_type == "gemma3_text":
             local = {"rope_theta": getattr(cfg, "rope_local_base_freq", 10000.0)}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        if model_type == "hunyuan_v1_dense" and rope.get("alpha") and rope.get("rope_type", rope.get("type")) == "dynamic":
+        if model_type in HUNYUAN and rope.get("alpha") and rope.get("rope_type", rope.get("type")) == "dynamic":
             # Hunyuan's "dynamic" with an alpha is a fixed NTK stretch of the base, as transformers
             # reads it: theta * alpha ** (d / (d - 2)), whatever the sequence's length.
             theta, rope = float(theta) * float(rope["alpha"]) ** (head_dim / (head_dim - 2)), {}
@@ -563,7 +563,7 @@ class ModelSpec:
         if model_type == "olmo_hybrid":
             gated_delta = _olmo_hybrid_fields(cfg)
         qk_norms = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "dots1", "exaone4", "lfm2", "lfm2_moe", "lfm3",
-                                  "hunyuan_v1_dense", "apertus", *cls.GATED_DELTA) or whole_qk_norms or (
+                                  "apertus", "exaone_moe", *HUNYUAN, *cls.GATED_DELTA) or whole_qk_norms or (
             model_type == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))) or cohere_qk_norms
         query_scale = granite.get("attention_multiplier")
         if gemma and getattr(cfg, "query_pre_attn_scalar", None):
@@ -629,7 +629,7 @@ class ModelSpec:
             float_norms=gemma or olmo or model_type in ("gpt_oss", "nemotron_h", "helium"),
             attention_sinks=model_type in ("gpt_oss", *GRANITE_SWA),
             nope_layers=_nope_layers(cfg) if model_type in ("smollm3", "llama4_text") else (
-                _full_layers(cfg, sliding_layers) if exaone and window else ()) or (
+                _full_layers(cfg, sliding_layers) if model_type in EXAONES and window else ()) or (
                 tuple(range(cfg.num_hidden_layers))
                 if (granite4 and getattr(cfg, "position_embedding_type", None) != "rope") or model_type == "nemotron_h"
                 else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()) or swa_nope or (
@@ -643,7 +643,7 @@ class ModelSpec:
             logit_scale=_logit_scale(cfg) if cohere else _multiplier(cfg, "lm_head_multiplier") if falcon else None,
             rounded_rotary_tables=cohere,
             qk_norm_per_head=cohere_qk_norms,
-            qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
+            qk_norm_after_rotary=model_type in HUNYUAN,
             **lfm2,
             **gated_delta,
             **mamba,
@@ -1109,6 +1109,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
         return _llama4_routing(cfg)
     elif model_type == "mistral4":
         return _mistral4_routing(cfg)
+    elif model_type == "hunyuan_v1_moe":
+        return _hunyuan_moe_routing(cfg)
     else:
         return {}
     top_k = _experts_per_token(cfg, experts)
@@ -1124,7 +1126,8 @@ def _experts(cfg: Any, model_type: str) -> dict[str, Any]:
                 expert_bias=gpt_oss, clamped_swiglu=swiglu)
 
 
-BIASED_ROUTING = ("glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "solar_open")
+BIASED_ROUTING = ("glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "solar_open",
+                  "exaone_moe")
 """Mixtures of experts that choose their experts by scores plus a learned bias (DeepSeek-V3's
 routing; :class:`ModelSpec`'s ``routing_bias``)."""
 
@@ -1141,6 +1144,35 @@ def _llama4_routing(cfg: Any) -> dict[str, Any]:
     return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts), expert_size=cfg.intermediate_size,
                 weights_on_input=True, shared_expert_size=cfg.intermediate_size,
                 shared_expert_gated=False, dense_layers=tuple(i for i in range(layers) if i not in moe))
+
+
+HUNYUAN = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+"""Hunyuan's model types: query and key norms after the rotary, its "dynamic" rope with an alpha."""
+
+EXAONES = ("exaone4", "exaone_moe")
+"""EXAONE 4's attention (per-head query and key norms, windows by its pattern, the full layers
+without rotary where it has windows), dense and with experts."""
+
+
+def _hunyuan_moe_routing(cfg: Any) -> dict[str, Any]:
+    """Hunyuan-A13B's experts (``num_experts`` of ``intermediate_size`` on every layer, ``moe_topk``
+    a token; one number for every layer, as a list where the config gives one): a float32 router,
+    softmax, renormalised over the chosen, their float32 weights; a shared MLP of the same size
+    added ungated."""
+    def one(key: str) -> int:
+        value = getattr(cfg, key)
+        values = set(value) if isinstance(value, (list, tuple)) else {value}
+        if len(values) != 1 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+            raise ModelError(f"{key} {value!r}: one positive number for every layer is supported")
+        return values.pop()
+
+    experts = one("num_experts")
+    top_k = one("moe_topk")
+    if top_k > experts:
+        raise ModelError(f"moe_topk {top_k} must be at most num_experts, {experts}")
+    return dict(num_experts=experts, experts_per_token=top_k, expert_size=cfg.intermediate_size, normalize_routing=True,
+                float_router=True, float_routing_weights=True, shared_expert_size=cfg.intermediate_size,
+                shared_expert_gated=False)
 
 
 def _mistral4_routing(cfg: Any) -> dict[str, Any]:
@@ -1207,18 +1239,20 @@ def _biased_routing(cfg: Any, model_type: str) -> dict[str, Any]:
     elif model_type == "minimax_m2":
         experts, size, dense = cfg.num_local_experts, cfg.intermediate_size, ()
         routing.update(normalize_routing=True, sigmoid_routing=True, float_routing_weights=True)
-    else:  # glm4_moe, dots1, deepseek_v3, glm4_moe_lite, solar_open (GLM-4.5's experts on every layer)
-        experts, size = cfg.n_routed_experts, cfg.moe_intermediate_size
+    else:  # glm4_moe, dots1, deepseek_v3, glm4_moe_lite, solar_open (GLM-4.5's experts on every layer), exaone_moe
+        exaone = model_type == "exaone_moe"  # its names: num_experts, num_shared_experts
+        experts, size = cfg.num_experts if exaone else cfg.n_routed_experts, cfg.moe_intermediate_size
         dense = _first_dense_layers(cfg)
-        kinds = getattr(cfg, "mlp_layer_types", None) if model_type == "glm4_moe_lite" else None
-        if kinds is not None:  # GLM-4.7-Flash names each layer's kind
+        kinds = getattr(cfg, "mlp_layer_types", None) if model_type in ("glm4_moe_lite", "exaone_moe") else None
+        if kinds is not None:  # GLM-4.7-Flash and EXAONE-MoE name each layer's kind
             if len(kinds) != layers or set(kinds) - {"dense", "sparse"}:
                 raise ModelError(f"mlp_layer_types {list(kinds)!r} must name each of the {layers} layers "
                                  "`dense` or `sparse`")
             dense = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
         routing.update(normalize_routing=bool(cfg.norm_topk_prob), sigmoid_routing=True, float_router=True,
                        float_routing_weights=True, **_groups_and_scale(cfg, experts),
-                       shared_expert_size=size * int(getattr(cfg, "n_shared_experts", 0) or 0))
+                       shared_expert_size=size * int(getattr(cfg, "num_shared_experts" if exaone else "n_shared_experts", 0)
+                                                     or 0))
     return dict(num_experts=experts, experts_per_token=_experts_per_token(cfg, experts), expert_size=size,
                 dense_layers=dense, **routing)
 
@@ -1296,16 +1330,16 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
-    if model_type in ("gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "gpt_oss", "olmo3", "ministral", "exaone4",
+    if model_type in ("gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "gpt_oss", "olmo3", "ministral", *EXAONES,
                       "cohere2", "lfm3",
                       *GRANITE_SWA):
         pattern = getattr(cfg, "sliding_window_pattern", None)
-        if types is None and model_type == "exaone4" and isinstance(pattern, str) and pattern:  # "LLLG"
+        if types is None and model_type in EXAONES and isinstance(pattern, str) and pattern:  # "LLLG"
             types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
                      for i in range(cfg.num_hidden_layers)]
         if types is None:  # transformers 4.x: the pattern alone (Ministral: every layer)
             pattern = {"gemma3_text": getattr(cfg, "sliding_window_pattern", 6), "olmo3": 4,
-                       "ministral": cfg.num_hidden_layers + 1, "exaone4": pattern or 4,
+                       "ministral": cfg.num_hidden_layers + 1, "exaone4": pattern or 4, "exaone_moe": pattern or 4,
                        "cohere2": pattern or 4}.get(model_type, 2)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg.num_hidden_layers)]
         layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
@@ -1926,7 +1960,7 @@ class CausalLM(nn.Module):
             if i == self.wanted_rows_from and meta.prefills:
                 # Gemma 4's shared layers write nothing a later step reads: past them only the rows
                 # whose logits are wanted matter, so the others (a prompt chunk's but its last) stop here.
-                rows = logits_rows.tolist()
+                rows = meta.wanted_rows if meta.wanted_rows is not None else logits_rows.tolist()
                 if not rows:
                     break
                 cut = only_rows(meta, rows) if len(rows) < x.shape[0] else None

@@ -118,6 +118,7 @@ class ModelRunner:
             row += w.num_new
         if self.state_cache is not None:
             self._keep_states(step.work[len(decode) :], meta)
+        meta.wanted_rows = rows.out_rows
         return as_tensor(rows.ids), positions, meta, as_tensor(rows.out_rows)
 
     def _keep_states(self, chunks: list[Scheduled], meta: AttentionMetadata) -> None:

@@ -134,14 +134,21 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     """FP8 weights ``[..., rows, cols]`` times their scales, as float32: one scale for the tensor
     (``block`` None, or a single scale), or one per block of ``block`` rows and columns
     (``[..., ceil(rows / block rows), ceil(cols / block cols)]``; the last blocks may be partial).
-    float32 products of an e4m3 value and a float32 scale, rounded once."""
+    Stacked experts ``[E, rows, cols]`` without a block size may have a scale per expert (``[E]``,
+    ``[E, 1, 1]``) or per even tile of one (``[E, 2, 1]``: its gate and up halves apart), as
+    Mistral 4's FP8 release has. float32 products of an e4m3 value and a float32 scale, rounded once."""
     values = weight.to(torch.float32)
     scale = scale_inv.to(torch.float32)
     if scale.numel() == 1:
         return values * scale.reshape(())
+    rows, cols = values.shape[-2:]
+    stacked = values.dim() > 2 and scale.shape[: values.dim() - 2] == values.shape[:-2]
+    if block is None and stacked and scale.dim() == values.dim() - 2:  # one scale an expert
+        scale = scale.reshape(*scale.shape, 1, 1)
+    if block is None and stacked and scale.dim() == values.dim() and not (rows % scale.shape[-2] or cols % scale.shape[-1]):
+        block = (rows // scale.shape[-2], cols // scale.shape[-1])  # an expert's even tiles
     if block is None:
         raise ValueError(f"{scale.numel()} scales for a tensor, and no weight_block_size in the config")
-    rows, cols = values.shape[-2:]
     grid = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale.shape[-2:]) != grid or scale.shape[:-2] != values.shape[:-2]:
         raise ValueError(f"scales of shape {tuple(scale.shape)} for blocks of {list(block)} of a {tuple(values.shape)} tensor")

@@ -36,7 +36,7 @@ from torch_models import tiny_checkpoint
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
          "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2",
          "hunyuan", "apertus", "granite_swa", "granitemoe_swa", "arcee", "internlm3", "vaultgemma", "helium",
-         "hunyuan_moe"]
+         "hunyuan_moe", "jais2"]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # ungated MLPs of squared ReLU; internlm3: biases on q, k, v, o and the MLP; vaultgemma: Gemma
     # 2 without its blocks' output norms (a window of 8 on layer 0, capped scores and logits);
     # helium: adjacent rotary pairs, norms scaled in float32, q/k/v biases without o's;
-    # hunyuan_moe: Hunyuan's attention, 2 of 4 experts by a float32 softmax router, a shared MLP.
+    # hunyuan_moe: Hunyuan's attention, 2 of 4 experts by a float32 softmax router, a shared MLP;
+    # jais2: LayerNorms with biases, ungated squared-ReLU MLPs, biases on every projection.
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -382,7 +383,7 @@ def test_exaone4_and_seed_oss_specs():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["cohere", "apertus", "arcee"])
+@pytest.mark.parametrize("arch", ["cohere", "apertus", "arcee", "jais2"])
 def test_what_the_c_step_lacks_runs_as_torch_operations(checkpoints, arch, fmt):
     """The C step has no mean-centred norms nor parallel blocks (Cohere), no ungated xIELU or
     squared-ReLU MLPs (Apertus, Arcee): under int8 and int4 their packed projections run as torch

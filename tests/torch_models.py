@@ -579,6 +579,10 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         from transformers import HeliumConfig
 
         config = HeliumConfig(**common, head_dim=16, attention_bias=True, pad_token_id=0)  # its o_proj: hidden x hidden
+    elif arch == "jais2":  # Jais 2: LayerNorms with biases, ungated squared-ReLU MLPs, biases on every projection
+        from transformers import Jais2Config
+
+        config = Jais2Config(**{k: v for k, v in common.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5)
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)

@@ -101,7 +101,7 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
     if spec.latent is not None or spec.groups_by_best:
         return "latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, Youtu-LLM)"
     if spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head:
-        return "Cohere's mean-centred norms and parallel blocks"
+        return "mean-centred norms (Cohere's, Jais 2's LayerNorms) and parallel blocks"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
         return f"linear attention or Mamba layers ({STATE_MODELS})"
     if spec.activation in ("xielu", "relu2"):

@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
-Apertus, Arcee, InternLM3, Helium, Gemma 1/2/3/4, VaultGemma, and the mixtures of experts Mixtral,
+Apertus, Arcee, InternLM3, Helium, Jais 2, Gemma 1/2/3/4, VaultGemma, and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, Solar Open, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash, Mistral 4 and Youtu-LLM; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
@@ -166,6 +166,7 @@ class ModelSpec:
     # logit_scale; queries and keys rotate in float32 from tables rounded to the model's dtype;
     # Command R+'s query and key norms have a weight per head (qk_norm_per_head).
     centered_norms: bool = False
+    norm_bias: bool = False  # Jais 2: its norms are LayerNorms (centred) with a bias
     parallel_blocks: bool = False
     logit_scale: float | None = None
     rounded_rotary_tables: bool = False
@@ -252,7 +253,7 @@ class ModelSpec:
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
-                 "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe")
+                 "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe", "jais2")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -265,7 +266,7 @@ class ModelSpec:
     GEMMA = ("gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma")
     # The config's name -> ours.
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu", "relu2": "relu2"}
-    OWN_ACTIVATIONS = {"xielu": ("apertus",), "relu2": ("nemotron_h", "arcee")}
+    OWN_ACTIVATIONS = {"xielu": ("apertus",), "relu2": ("nemotron_h", "arcee", "jais2")}
     """Activations some model types have (their ungated MLPs'), and which; those types have no other."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
@@ -465,7 +466,7 @@ class ModelSpec:
                 model_type in own and act not in cls.OWN_ACTIVATIONS):
             supported = ", ".join(a for a in cls.ACTIVATIONS if a not in cls.OWN_ACTIVATIONS)
             raise ModelError(f"hidden_act `{act}` is not supported; supported: {supported} (xielu: Apertus's; "
-                             "relu2: Nemotron-H's and Arcee's)")
+                             "relu2: Nemotron-H's, Arcee's and Jais 2's)")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         latent = LatentShape.of(cfg, ModelError) if model_type in cls.LATENT else None
@@ -587,7 +588,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.layer_norm_eps if cohere else cfg.norm_eps if lfm2 else cfg.layer_norm_epsilon
+            rms_norm_eps=cfg.layer_norm_eps if cohere or model_type == "jais2" else cfg.norm_eps if lfm2 else cfg.layer_norm_epsilon
             if model_type == "nemotron_h" else cfg.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -638,7 +639,8 @@ class ModelSpec:
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
             latent=latent,
-            centered_norms=cohere,
+            centered_norms=cohere or model_type == "jais2",
+            norm_bias=model_type == "jais2",
             parallel_blocks=cohere,
             logit_scale=_logit_scale(cfg) if cohere else _multiplier(cfg, "lm_head_multiplier") if falcon else None,
             rounded_rotary_tables=cohere,
@@ -1528,12 +1530,14 @@ class RMSNorm(nn.Module):
     """``x / rms(x)`` times a weight per dimension: Llama's (the normalised ``x`` rounded to the
     model's dtype, then scaled), with ``float_scale`` gpt-oss's (scaled in float32, rounded once),
     or with ``offset`` Gemma's (scaled by ``1 + weight`` in float32, rounded once); ``weighted``
-    False: no weight (Gemma 4's value norms and router input), normalised in float32, rounded once."""
+    False: no weight (Gemma 4's value norms and router input), normalised in float32, rounded once;
+    ``centered`` and ``bias``: a LayerNorm (Jais 2's), its weight and bias applied in float32."""
 
     def __init__(self, size: int | tuple[int, ...], eps: float, offset: bool = False, float_scale: bool = False,
-                 centered: bool = False, weighted: bool = True) -> None:
+                 centered: bool = False, weighted: bool = True, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size)) if weighted else None
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
         self.eps = eps
         self.offset = offset
         self.float_scale = float_scale or offset or centered
@@ -1547,6 +1551,8 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is None:
             return x.to(dtype)
+        if self.bias is not None:
+            return (x * self.scale() + self.bias.float()).to(dtype)
         if self.float_scale:
             return (x * self.scale()).to(dtype)
         return self.weight * x.to(dtype)
@@ -1558,7 +1564,7 @@ class RMSNorm(nn.Module):
 
 def _norm(spec: ModelSpec, size: int | tuple[int, ...]) -> RMSNorm:
     """One of the model's norms, in its family's arithmetic."""
-    return RMSNorm(size, spec.rms_norm_eps, spec.offset_norms, spec.float_norms, spec.centered_norms)
+    return RMSNorm(size, spec.rms_norm_eps, spec.offset_norms, spec.float_norms, spec.centered_norms, bias=spec.norm_bias)
 
 
 class Attention(nn.Module):
@@ -1838,6 +1844,13 @@ class DecoderLayer(nn.Module):
         return h if self.residual_scale is None else h * self.residual_scale
 
 
+def _load_norm(norm: RMSNorm, name: str, weights: WeightReader) -> None:
+    """A norm's weight (``name.weight``) and its bias where it has one (Jais 2's LayerNorms)."""
+    weights.copy(norm.weight, name + ".weight")
+    if norm.bias is not None:
+        weights.copy(norm.bias, name + ".bias")
+
+
 def _rows(tables: tuple[torch.Tensor, ...], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A step's rotary rows (cos, signed sin) for ``rows`` alone."""
     return tuple(t[rows] for t in tables)
@@ -2033,7 +2046,7 @@ class CausalLM(nn.Module):
                         norm = norm.view(-1, spec.head_dim)[:, layout].flatten()
                     weights.copy(getattr(attn, name).weight, p + f"self_attn.{name}.weight", norm)
             if layer.input_layernorm is not None:
-                weights.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
+                _load_norm(layer.input_layernorm, p + "input_layernorm", weights)
             if spec.glm_norm_names:
                 weights.copy(layer.attn_out_norm.weight, p + "post_self_attn_layernorm.weight")
                 weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
@@ -2044,7 +2057,7 @@ class CausalLM(nn.Module):
                     weights.copy(layer.post_attention_layernorm.weight, p + "pre_feedforward_layernorm.weight")
                 weights.copy(layer.mlp_out_norm.weight, p + "post_feedforward_layernorm.weight")
             elif layer.post_attention_layernorm is not None:
-                weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+                _load_norm(layer.post_attention_layernorm, p + "post_attention_layernorm", weights)
             if layer.moe is not None:  # Gemma 4's, under the layer itself
                 layer.moe.load(p, weights)
                 for norm, name in ((layer.moe_in_norm, "pre_feedforward_layernorm_2"),
@@ -2060,7 +2073,7 @@ class CausalLM(nn.Module):
             if loaded is not None:
                 _all_loaded(layer, p)
                 loaded(layer)
-        weights.copy(self.norm.weight, "norm.weight")
+        _load_norm(self.norm, "norm", weights)
         if self.per_layer_embed is not None:
             weights.copy(self.per_layer_embed.weight, "embed_tokens_per_layer.weight")
             weights.copy(self.per_layer_projection.weight, "per_layer_model_projection.weight")

@@ -436,6 +436,38 @@ def test_a_config_or_tokenizer_of_custom_code_is_refused_by_name(checkpoints, tm
         load_checkpoint(folder)
 
 
+def test_exaone_with_a_window_and_no_sliding_layer_rotates_none(checkpoints, tmp_path):
+    """EXAONE 4 with sliding_window set and every layer full: transformers rotates none of them (its
+    full layers never rotate where the config has a window); so does the engine."""
+    folder = shutil.copytree(checkpoints["exaone4"], tmp_path / "all-full")
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**settings, "layer_types": ["full_attention"] * 2}))
+    spec = ModelSpec.from_hf_config(SimpleNamespace(**{**settings, "layer_types": ["full_attention"] * 2}))
+    assert spec.nope_layers == (0, 1) and spec.sliding_window is None
+    assert_prompt_logprobs_match_transformers(folder, torch.float32, 1e-4)
+
+
+def test_what_some_configs_say_and_transformers_does_not_read():
+    """Youtu's and EXAONE-MoE's projections have no biases, whatever the config says; Solar Open's
+    every layer has experts; Hunyuan-A13B's head size is its attention_head_dim (it has no head_dim)."""
+    common = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    youtu = ModelSpec.from_hf_config(SimpleNamespace(**common, model_type="youtu", mlp_bias=True, attention_bias=True,
+                                                     kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                                                     qk_rope_head_dim=8, v_head_dim=12))
+    assert not youtu.mlp_bias and not youtu.qkv_bias and not youtu.o_bias
+    solar = ModelSpec.from_hf_config(SimpleNamespace(**common, model_type="solar_open", first_k_dense_replace=2,
+                                                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                     n_shared_experts=1, norm_topk_prob=True))
+    assert solar.dense_layers == () and solar.num_experts == 8
+    hunyuan = ModelSpec.from_hf_config(SimpleNamespace(**common, model_type="hunyuan_v1_moe", head_dim=None,
+                                                       attention_head_dim=32, num_experts=[4] * 4, moe_topk=[2] * 4))
+    assert hunyuan.head_dim == 32 and (hunyuan.num_experts, hunyuan.experts_per_token) == (4, 2)
+    with pytest.raises(ModelError, match=r"moe_topk \[1, 2, 2, 2\]: one positive number for every layer"):
+        ModelSpec.from_hf_config(SimpleNamespace(**common, model_type="hunyuan_v1_moe", num_experts=4,
+                                                 moe_topk=[1, 2, 2, 2]))
+
+
 def test_hunyuan_specs():
     # Hunyuan-7B's rope: "dynamic" with alpha 1000, a fixed base of theta * alpha ** (d / (d - 2));
     # a plain "dynamic" (no alpha) is dynamic NTK as anywhere.

@@ -39,7 +39,7 @@ they are rk_decode_step's ``which`` 0..3."""
 
 # A mixture of experts' own modules: experts, shared expert(s), router (Qwen's mlp.gate, Mixtral's
 # block_sparse_moe.gate).
-_MOE_KEY = re.compile(r"\.(?:experts|shared_experts?|shared_expert_gate|block_sparse_moe)\.|\.mlp\.gate\.lora_")
+_MOE_KEY = re.compile(r"\.(?:experts|shared_experts?|shared_expert_gate|shared_mlp|block_sparse_moe)\.|\.mlp\.gate\.lora_")
 
 
 def _targets(spec: ModelSpec) -> dict[str, tuple[str, int, int, int]]:

@@ -468,7 +468,8 @@ class ModelSpec:
             raise ModelError(f"hidden_act `{act}` is not supported; supported: {supported} (xielu: Apertus's; "
                              "relu2: Nemotron-H's, Arcee's and Jais 2's)")
         heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        head_dim = getattr(cfg, "head_dim", None) or (
+            getattr(cfg, "attention_head_dim", None) if model_type in HUNYUAN else None) or cfg.hidden_size // heads
         latent = LatentShape.of(cfg, ModelError) if model_type in cls.LATENT else None
         if latent is not None:  # the rotary tables' heads: the rotated part
             head_dim = latent.rope
@@ -596,11 +597,13 @@ class ModelSpec:
             tie_word_embeddings=tied,
             # Qwen2 always has q, k and v biases; Qwen2-MoE unless its config says qkv_bias false.
             # GLM-4.1V's language model has them without saying so.
-            qkv_bias=(bool(getattr(cfg, "attention_bias", False)) and model_type != "nemotron_h") or model_type == "qwen2"
+            qkv_bias=(bool(getattr(cfg, "attention_bias", False)) and model_type not in ("nemotron_h", *UNBIASED))
+            or model_type == "qwen2"
             or use_bias
             or getattr(cfg, "model_type", None) == "glm4v_text"
             or (model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)) or use_bias,
+            # Youtu's and EXAONE-MoE's MLPs and attention have none, whatever their configs say (transformers')
+            mlp_bias=(bool(getattr(cfg, "mlp_bias", False)) and model_type not in UNBIASED) or use_bias,
             sliding_window=window,
             o_bias=_o_bias(cfg, model_type, use_bias),
             sliding_layers=sliding_layers,
@@ -630,10 +633,12 @@ class ModelSpec:
             float_norms=gemma or olmo or model_type in ("gpt_oss", "nemotron_h", "helium"),
             attention_sinks=model_type in ("gpt_oss", *GRANITE_SWA),
             nope_layers=_nope_layers(cfg) if model_type in ("smollm3", "llama4_text") else (
-                _full_layers(cfg, sliding_layers) if model_type in EXAONES and window else ()) or (
+                # EXAONE: with a window in its config its full layers do not rotate, slide any layer or not
+                _full_layers(cfg, sliding_layers) if model_type in EXAONES and getattr(cfg, "sliding_window", None)
+                else ()) or (
                 tuple(range(cfg.num_hidden_layers))
                 if (granite4 and getattr(cfg, "position_embedding_type", None) != "rope") or model_type == "nemotron_h"
-                else ()) or (_unwindowed_layers(cfg, sliding_layers) if model_type == "cohere2" else ()) or swa_nope or (
+                else ()) or (_full_layers(cfg, sliding_layers) if model_type == "cohere2" else ()) or swa_nope or (
                 _olmo_hybrid_nope(cfg) if model_type == "olmo_hybrid" else ()),
             residual_scale=granite.get("residual_multiplier"),
             logits_scaling=granite.get("logits_scaling"),
@@ -662,15 +667,17 @@ def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
         return use_bias
     if model_type == "seed_oss":
         return bool(getattr(cfg, "attention_out_bias", False))
-    if model_type in ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe", "nemotron_h", "solar_open", "helium"):
+    if model_type in ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe", "nemotron_h", "solar_open", "helium", *UNBIASED):
         # Nemotron-H: none at all; Solar Open and Helium: q, k and v's only
         return False
     return bool(getattr(cfg, "attention_bias", False))
 
 
 def _full_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The layers that attend to every position: EXAONE 4's hybrid models do not rotate them."""
-    return tuple(i for i in range(cfg.num_hidden_layers) if sliding is not None and i not in sliding)
+    """The layers that attend to every position (all of them where none slides): those that do not
+    rotate in EXAONE 4's models with a window in their config, and in Cohere 2's (transformers
+    rotates only where a layer slides)."""
+    return tuple(i for i in range(cfg.num_hidden_layers) if sliding is None or i not in sliding)
 
 
 def _lfm2_fields(cfg: Any) -> dict[str, Any]:
@@ -826,12 +833,6 @@ def _gated_delta_fields(cfg: Any) -> dict[str, Any]:
         raise ModelError("layer_types names no `full_attention` layer; a model of linear attention alone is not supported")
     return dict(linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
                 delta=DeltaShape.of(cfg, ModelError), gated_attention=True)
-
-
-def _unwindowed_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
-    """Cohere 2's layers without rotary: all but the sliding-window ones (all of them where the
-    config has no window, as transformers rotates only where a layer slides)."""
-    return tuple(i for i in range(cfg.num_hidden_layers) if sliding is None or i not in sliding)
 
 
 def _logit_scale(cfg: Any) -> float | None:
@@ -1151,6 +1152,10 @@ def _llama4_routing(cfg: Any) -> dict[str, Any]:
 HUNYUAN = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 """Hunyuan's model types: query and key norms after the rotary, its "dynamic" rope with an alpha."""
 
+UNBIASED = ("youtu", "exaone_moe")
+"""Model types whose projections have no biases, whatever ``attention_bias`` and ``mlp_bias`` say
+(transformers builds them without)."""
+
 EXAONES = ("exaone4", "exaone_moe")
 """EXAONE 4's attention (per-head query and key norms, windows by its pattern, the full layers
 without rotary where it has windows), dense and with experts."""
@@ -1244,7 +1249,7 @@ def _biased_routing(cfg: Any, model_type: str) -> dict[str, Any]:
     else:  # glm4_moe, dots1, deepseek_v3, glm4_moe_lite, solar_open (GLM-4.5's experts on every layer), exaone_moe
         exaone = model_type == "exaone_moe"  # its names: num_experts, num_shared_experts
         experts, size = cfg.num_experts if exaone else cfg.n_routed_experts, cfg.moe_intermediate_size
-        dense = _first_dense_layers(cfg)
+        dense = _first_dense_layers(cfg) if model_type != "solar_open" else ()  # Solar Open's: every layer, as transformers
         kinds = getattr(cfg, "mlp_layer_types", None) if model_type in ("glm4_moe_lite", "exaone_moe") else None
         if kinds is not None:  # GLM-4.7-Flash and EXAONE-MoE name each layer's kind
             if len(kinds) != layers or set(kinds) - {"dense", "sparse"}:

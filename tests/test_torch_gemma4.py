@@ -297,7 +297,7 @@ def test_adapters_are_refused_and_drafted_tokens_keep_greedys(checkpoints, tmp_p
 
     from backends.peft import AdapterError
     from backends.torch.lora import load_adapter
-    from test_torch_speculative import predicted
+    from test_torch_speculative import assert_drafts_from_a_prediction_keep_greedys
     from torch_models import write_lora
 
     folder = checkpoints["gemma4-e"]
@@ -305,12 +305,4 @@ def test_adapters_are_refused_and_drafted_tokens_keep_greedys(checkpoints, tmp_p
     with pytest.raises(AdapterError, match="adapters of Gemma 4 are not supported"):
         load_adapter("a", write_lora(tmp_path / "a", folder, targets=("o_proj",)), spec, torch.float32,
                      torch.device("cpu"))
-    prompt = random_prompts(5, (30,))[0]
-    want = hf_greedy(folder, prompt, 24)
-    engine = engine_for(folder)
-    try:
-        steps = engine.steps
-        got, (kept, _) = run(predicted(engine, prompt, 24, want[:10] + [7] + want[11:]))
-        assert got == want and kept >= 15 and engine.steps - steps < 12
-    finally:
-        run(engine.stop())
+    assert_drafts_from_a_prediction_keep_greedys(folder)

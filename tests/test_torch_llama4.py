@@ -247,18 +247,9 @@ def test_adapters_of_attention_and_dense_mlps(checkpoints, tmp_path):
 def test_drafted_tokens_keep_greedys(checkpoints):
     """A predicted output's drafts (several rows of a sequence a step, past chunk boundaries), a
     wrong one among them: greedy's tokens, in fewer steps than tokens."""
-    from test_torch_speculative import predicted
+    from test_torch_speculative import assert_drafts_from_a_prediction_keep_greedys
 
-    folder = checkpoints["llama4"]
-    prompt = random_prompts(5, (30,))[0]
-    want = hf_greedy(folder, prompt, 24)
-    engine = engine_for(folder)
-    try:
-        steps = engine.steps
-        got, (kept, _) = run(predicted(engine, prompt, 24, want[:10] + [7] + want[11:]))
-        assert got == want and kept >= 15 and engine.steps - steps < 12
-    finally:
-        run(engine.stop())
+    assert_drafts_from_a_prediction_keep_greedys(checkpoints["llama4"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

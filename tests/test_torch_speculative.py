@@ -244,6 +244,23 @@ async def predicted(engine, prompt, max_tokens, prediction, **params):
     return tokens, counts
 
 
+def assert_drafts_from_a_prediction_keep_greedys(folder):
+    """A prediction of transformers' 24 greedy tokens with a wrong one at 10 (several rows of a
+    sequence a step): those tokens, 15 or more of the prediction's kept, in fewer than 12 steps."""
+    from test_torch_engine import random_prompts
+    from torch_models import hf_greedy
+
+    prompt = random_prompts(5, (30,))[0]
+    want = hf_greedy(folder, prompt, 24)
+    engine = engine_for(folder)
+    try:
+        steps = engine.steps
+        got, (kept, _) = run(predicted(engine, prompt, 24, want[:10] + [7] + want[11:]))
+        assert got == want and kept >= 15 and engine.steps - steps < 12
+    finally:
+        run(engine.stop())
+
+
 @pytest.mark.parametrize("fields", [{}, {"temperature": 1.0, "seed": 5}])
 def test_predicted_outputs_on_an_engine_with_or_without_speculative_config(pair, fields):
     """A prediction is drafted from by both engines (the one without speculative_config drafts

@@ -194,7 +194,7 @@ def _prefill(
         kv_heads, context = keys.shape[1], keys.shape[2]
         group = heads // kv_heads
         if mask is None:  # plain causal over a chunk that is the whole context
-            mask = torch.ones(chunk, context, dtype=torch.bool, device=q.device).tril(context - chunk)
+            mask = causal_mask(chunk, context, q.device)
         rows, mask = q.transpose(0, 1).reshape(kv_heads, group * chunk, dim), mask.repeat(group, 1)
         sink = None  # row g * chunk + c of KV head j: head j * group + g's sink
         if sinks is not None:
@@ -223,6 +223,12 @@ def in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, chunked: bo
     within ``window``: the last ``window`` positions, or (``chunked``, Llama 4) those of the
     query's own chunk of ``window`` positions."""
     return q_pos // window == k_pos // window if chunked else q_pos - k_pos < window
+
+
+def causal_mask(chunk: int, context: int, device: torch.device) -> torch.Tensor:
+    """``[chunk, context]``: the plain causal mask of a chunk ending the context (what a span's
+    None mask stands for)."""
+    return torch.ones(chunk, context, dtype=torch.bool, device=device).tril(context - chunk)
 
 
 def prefill_mask(chunk: int, context: int, window: int | None, device: torch.device,
@@ -274,11 +280,10 @@ def only_rows(meta: AttentionMetadata, rows: list[int]) -> AttentionMetadata | N
             continue
         if mine[0] < span.start or mine[-1] - mine[0] + 1 != len(mine):
             return None
-        first, count, start = mine[0] - span.start, len(mine), decoding + sum(s.end - s.start for s in spans)
+        first, count, start = mine[0] - span.start, len(mine), spans[-1].end if spans else decoding
         mask = span.mask
         if mask is None:  # plain causal over a chunk that is its whole context
-            chunk = span.end - span.start
-            mask = torch.ones(chunk, chunk, dtype=torch.bool, device=span.slots.device).tril()
+            mask = causal_mask(span.end - span.start, span.end - span.start, span.slots.device)
         window = span.window_mask[first : first + count] if span.window_mask is not None else None
         spans.append(PrefillSpan(start, start + count, span.slots, mask[first : first + count], window))
     if i != len(rows):

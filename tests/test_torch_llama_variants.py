@@ -31,12 +31,12 @@ from test_torch_gemma import (
     assert_c_steps_match_the_torch_path, assert_prompt_logprobs_match_transformers, distance, engine_prompt_logprobs,
     hf_prompt_logprobs, packed_torch_path_distance, prompt_logprobs,
 )
-from torch_models import tiny_checkpoint
+from torch_models import LAYER_NORMED_ARCHS, tiny_checkpoint
 
 ARCHS = ["smollm3", "granite", "granitemoe", "olmo2", "olmo3", "olmoe", "glm", "glm4", "ministral", "ministral3",
          "ernie4_5", "exaone4", "seed_oss", "granitemoeshared", "granite4", "granite4-moe", "cohere", "cohere2",
          "hunyuan", "apertus", "granite_swa", "granitemoe_swa", "arcee", "internlm3", "vaultgemma", "helium",
-         "hunyuan_moe", "jais2"]
+         "hunyuan_moe", "jais2", *LAYER_NORMED_ARCHS]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,12 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("internlm3", {"attention_bias": False, "mlp_bias": False}),
     ("hunyuan_moe", {"moe_topk": 1}),
     ("ministral", {"layer_types": ["full_attention", "full_attention"]}),
+    ("starcoder2", {"sliding_window": None}),
+    ("nemotron", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+    ("stablelm", {"use_qkv_bias": False}),
+    ("stablelm-parallel", {"qk_layernorm": False}),
+    ("phi", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+    ("gpt_neox", {"use_parallel_residual": False}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
         "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -383,13 +389,68 @@ def test_exaone4_and_seed_oss_specs():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["cohere", "apertus", "arcee", "jais2"])
+@pytest.mark.parametrize("arch", ["cohere", "apertus", "arcee", "jais2", "phi", "gpt_neox", "stablelm-parallel"])
 def test_what_the_c_step_lacks_runs_as_torch_operations(checkpoints, arch, fmt):
-    """The C step has no mean-centred norms nor parallel blocks (Cohere), no ungated xIELU or
-    squared-ReLU MLPs (Apertus, Arcee): under int8 and int4 their packed projections run as torch
-    operations, near the float engine's logprobs (measured 0.002 and 0.009 int8, 0.02 and 0.17
-    int4 for the first two)."""
+    """The C step has no mean-centred norms nor parallel blocks (Cohere, the LayerNorm families),
+    no ungated MLPs (Apertus, Arcee, Phi, GPT-NeoX): under int8 and int4 their packed projections
+    run as torch operations (Phi's LM head with its bias), near the float engine's logprobs
+    (measured 0.002 and 0.009 int8, 0.02 and 0.17 int4 for the first two)."""
     assert packed_torch_path_distance(checkpoints[arch], fmt) < (0.05 if fmt == "int8" else 0.3)
+
+
+def test_layer_normed_specs():
+    """The LayerNorm families: each config's names for its epsilon and biases, the ungated MLPs'
+    activations (no other), Phi's query and key LayerNorms refused."""
+    from transformers import AutoConfig
+
+    def spec(model_type, **changes):
+        return ModelSpec.from_hf_config(AutoConfig.for_model(model_type, vocab_size=100, **changes))
+
+    s = spec("starcoder2", norm_epsilon=1e-3, use_bias=False, sliding_window=16)
+    assert s.centered_norms and s.norm_bias and s.ungated_mlp and s.activation == "gelu_tanh"
+    assert s.rms_norm_eps == 1e-3 and not (s.qkv_bias or s.o_bias or s.mlp_bias) and s.sliding_window == 16
+    assert s.sliding_layers is None and s.tie_word_embeddings
+    s = spec("nemotron", norm_eps=1e-4, attention_bias=True)
+    assert s.norms_less_one and s.activation == "relu2" and s.rms_norm_eps == 1e-4 and s.qkv_bias and s.o_bias
+    assert s.rotary_dim == s.head_dim // 2 and not s.mlp_bias
+    s = spec("stablelm", use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True, layer_norm_eps=1e-3)
+    assert s.qkv_bias and not s.o_bias and s.parallel_blocks and not s.parallel_residual_last and s.qk_norm_per_head
+    assert not s.ungated_mlp and s.activation == "silu" and s.rotary_dim == s.head_dim // 4 and s.rms_norm_eps == 1e-3
+    s = spec("phi")
+    assert s.parallel_blocks and s.parallel_residual_last and not s.parallel_mlp_norm and s.lm_head_bias
+    assert s.qkv_bias and s.o_bias and s.mlp_bias and s.activation == "gelu_new"
+    with pytest.raises(ModelError, match="qk_layernorm: Phi's query and key LayerNorms are not supported"):
+        spec("phi", qk_layernorm=True)
+    s = spec("gpt_neox")
+    assert s.parallel_blocks and s.parallel_residual_last and s.parallel_mlp_norm and s.activation == "gelu"
+    assert s.num_kv_heads == s.num_heads and s.rotary_dim == s.head_dim // 4
+    s = spec("gpt_neox", use_parallel_residual=False, attention_bias=False)
+    assert not (s.parallel_blocks or s.parallel_residual_last or s.parallel_mlp_norm or s.qkv_bias or s.o_bias)
+    assert s.mlp_bias
+    with pytest.raises(ModelError, match=r"hidden_act `silu` is not supported; supported: gelu_pytorch_tanh, gelu_new, "
+                                         r"gelu \(`starcoder2`'s MLPs are ungated\)"):
+        spec("starcoder2", hidden_act="silu")
+    with pytest.raises(ModelError, match="hidden_act `gelu` is not supported; supported: relu2"):
+        spec("nemotron", hidden_act="gelu")
+    with pytest.raises(ModelError, match="hidden_act `gelu_new` is not supported; supported: silu, gelu_pytorch_tanh$"):
+        spec("stablelm", hidden_act="gelu_new")
+
+
+def test_ungated_gelus_are_transformers_activations():
+    """The ungated MLPs' GELUs are transformers' ``gelu_pytorch_tanh``, ``gelu_new`` (bit for
+    bit in bfloat16, where it rounds step by step) and ``gelu``."""
+    from transformers.activations import ACT2FN
+
+    from backends.torch.model import GELUS, PlainMLP
+
+    x = torch.linspace(-6, 6, 400).view(100, 4)
+    for theirs, ours in GELUS.items():
+        mlp = PlainMLP(4, 4, activation=ours)
+        with torch.no_grad():
+            mlp.up_proj.weight.copy_(torch.eye(4))
+            mlp.down_proj.weight.copy_(torch.eye(4))
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(mlp.to(dtype)(x.to(dtype)), ACT2FN[theirs](x.to(dtype))), (theirs, dtype)
 
 
 def test_apertus_specs_and_xielu():

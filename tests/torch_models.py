@@ -583,6 +583,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         from transformers import Jais2Config
 
         config = Jais2Config(**{k: v for k, v in common.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5)
+    elif arch in LAYER_NORMED_ARCHS:
+        config = _layer_normed_config(arch, {k: v for k, v in common.items() if k != "rms_norm_eps"})
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
                                 "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True)
@@ -599,7 +601,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         for p in model.parameters():
             p.normal_(0.0, 0.2)  # large enough that logits are far from ties
         for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")):
+            if name.endswith(("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")) or (
+                    "_layernorm.norms." in name):  # StableLM's, a LayerNorm a head
                 p.add_(1.0)  # about 1, as trained ones are: near 0 they flatten every attention
                 if arch in ("hunyuan", "hunyuan_moe"):
                     p.mul_(3.0)  # after the rotary they set the scores' scale alone: sharper, so the rotary shows
@@ -647,6 +650,40 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         if (src / name).exists():
             shutil.copy(src / name, folder / name)
     return folder
+
+
+LAYER_NORMED_ARCHS = ("starcoder2", "nemotron", "stablelm", "stablelm-parallel", "phi", "gpt_neox", "gpt_neox-serial")
+"""The tiny checkpoints of the LayerNorm families (:func:`_layer_normed_config`)."""
+
+
+def _layer_normed_config(arch: str, common: dict):
+    """StarCoder2: LayerNorms, ungated tanh-GELU MLPs, biases everywhere, a window of 8 on every
+    layer, tied; Nemotron: LayerNorms whose weights are stored less one, ungated squared-ReLU
+    MLPs, half of each head rotating, biases; StableLM 2 (1.6B's shape): a quarter of each head
+    rotating, q/k/v biases, SwiGLU; StableLM 2 12B's: attention and MLP in parallel from one
+    norm, query and key LayerNorms a head; Phi-2: parallel blocks summed before the residual, tanh
+    GELU (``gelu_new``), biases everywhere, the LM head's too; GPT-NeoX (Pythia): q, k and v in
+    one matrix head by head, parallel blocks with a norm each, exact GELU; serial: one after the
+    other."""
+    from transformers import GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
+
+    names = dict(layer_norm_eps=1e-5)
+    if arch == "starcoder2":
+        return Starcoder2Config(**{**common, "tie_word_embeddings": True}, norm_epsilon=1e-5, use_bias=True, sliding_window=8)
+    if arch == "nemotron":
+        return NemotronConfig(**common, norm_eps=1e-5, attention_bias=True, mlp_bias=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    if arch.startswith("stablelm"):
+        parallel = arch == "stablelm-parallel"
+        return StableLmConfig(**common, **names, use_qkv_bias=not parallel, qk_layernorm=parallel,
+                              use_parallel_residual=parallel,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    if arch == "phi":
+        return PhiConfig(**common, **names, hidden_act="gelu_new",
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    return GPTNeoXConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"}, **names, hidden_act="gelu",
+                         use_parallel_residual=arch == "gpt_neox", attention_bias=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
 
 
 def assert_built_with_config_refused(folder: Path, out: Path, changes: dict, message: str) -> None:

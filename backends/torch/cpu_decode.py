@@ -101,11 +101,11 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
     if spec.latent is not None or spec.groups_by_best:
         return "latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, Youtu-LLM)"
     if spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head:
-        return "mean-centred norms (Cohere's, Jais 2's LayerNorms) and parallel blocks"
+        return "mean-centred norms (Cohere's, the LayerNorms of Jais 2, StarCoder2, Nemotron, StableLM, Phi, GPT-NeoX) and parallel blocks"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
         return f"linear attention or Mamba layers ({STATE_MODELS})"
-    if spec.activation in ("xielu", "relu2"):
-        return "ungated MLPs with xIELU (Apertus) or squared ReLU (Arcee)"
+    if spec.ungated_mlp:
+        return "ungated MLPs (Apertus's xIELU, Arcee's squared ReLU)"
     if spec.value_norms or spec.full_head_dim is not None or spec.layer_scalars:
         return "Gemma 4's value norms, layer scalars, heads of two sizes, per-layer embeddings and shared caches"
     if spec.chunked_windows or spec.weightless_qk_norm or spec.nope_temperature or spec.weights_on_input:

@@ -213,8 +213,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if isinstance(template, dict):
         template = template.get("default")
     rename = _language_model_weight if getattr(config, "text_config", None) is not None else None
-    if getattr(config, "model_type", None) in _RENAMED:
-        rename = _renamed(_RENAMED[config.model_type], rename)
+    for names in (_MODEL_NAMES, _RENAMED):
+        if getattr(config, "model_type", None) in names:
+            rename = _renamed(names[config.model_type], rename)
     return Checkpoint(spec, _safetensors_weights(path, rename), HFTokenizer(hf_tok, eos), template)
 
 
@@ -267,9 +268,27 @@ _RENAMED = {
     "vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
     # Apertus: its blocks' input norms
     "apertus": ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm.")),
+    # StarCoder2's ungated MLPs
+    "starcoder2": ((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
+    # StableLM's query and key norms (a LayerNorm a head: `q_layernorm.norms.H.`)
+    "stablelm": ((".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm.")),
+    # Phi: its o_proj, ungated MLP and final norm
+    "phi": ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_proj."), (".mlp.fc2.", ".mlp.down_proj."),
+            ("model.final_layernorm.", "model.norm.")),
+    # GPT-NeoX's layers (once _MODEL_NAMES has named the model's parts): its attention (q, k and v
+    # in one `query_key_value`, head by head) and ungated MLP
+    "gpt_neox": ((".attention.dense.", ".self_attn.o_proj."), (".attention.", ".self_attn."),
+                 (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj.")),
 }
 """Model types whose weights are read by the names a Llama checkpoint gives their counterparts:
 (theirs, ours) parts of a name."""
+
+
+_MODEL_NAMES = {
+    "gpt_neox": (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
+                 ("gpt_neox.", "model."), ("embed_out.", "lm_head.")),
+}
+"""Model types whose whole model is named otherwise, before _RENAMED renames within its layers."""
 
 
 def _renamed(names: tuple[tuple[str, str], ...],

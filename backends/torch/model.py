@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
-Apertus, Arcee, InternLM3, Helium, Jais 2, Gemma 1/2/3/4, VaultGemma, and the mixtures of experts Mixtral,
+Apertus, Arcee, InternLM3, Helium, Gemma 1/2/3/4, VaultGemma, the LayerNorm families Jais 2, StarCoder2,
+Nemotron, StableLM 2, Phi-2 and GPT-NeoX, and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, Solar Open, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash, Mistral 4 and Youtu-LLM; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
@@ -21,7 +22,8 @@ SmolLM3's layers without rotary (NoPE), Granite's multipliers (embeddings, atten
 each block's output, logits), OLMo 2/3's norms (of each block's output only, and of the
 whole query and key projections), GLM's interleaved rotary pairs, Ministral 3's
 position-scaled queries and Llama 4's chunked attention, weightless query and key norms and NoPE
-temperature are flags too.
+temperature are flags too, as are the older families' LayerNorms with biases, ungated GELU or
+squared-ReLU MLPs and parallel attention and MLP blocks (Cohere's, StableLM 2 12B's, Phi's, GPT-NeoX's).
 Every forward pass works on a flat batch of tokens from many sequences at once (continuous
 batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
@@ -50,6 +52,12 @@ from .weights import RowScales, WeightReader, load_fused_mlp, load_mlp
 
 class ModelError(ValueError):
     """The checkpoint is not a decoder this engine can run."""
+
+
+RELU2 = {"relu2": "relu2"}
+GELUS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_new", "gelu": "gelu"}
+"""Ungated MLPs' GELUs, config's name -> ours: the tanh form (StarCoder2's; Phi's ``gelu_new``, the
+same formula step by step, as transformers computes it) and the exact one (GPT-NeoX's)."""
 
 
 @dataclass(frozen=True)
@@ -166,8 +174,20 @@ class ModelSpec:
     # logit_scale; queries and keys rotate in float32 from tables rounded to the model's dtype;
     # Command R+'s query and key norms have a weight per head (qk_norm_per_head).
     centered_norms: bool = False
-    norm_bias: bool = False  # Jais 2: its norms are LayerNorms (centred) with a bias
+    norm_bias: bool = False  # Jais 2, StarCoder2, Nemotron, StableLM, Phi, GPT-NeoX: LayerNorms (centred) with a bias
+    # Nemotron (LayerNorm1P): its norms' weights are stored less one; one is added back in the
+    # model's dtype as they load (transformers' weight + 1.0).
+    norms_less_one: bool = False
     parallel_blocks: bool = False
+    # Phi and GPT-NeoX: the parallel blocks' outputs are summed first, then added to the residual
+    # (Cohere's and StableLM's join it one after the other); GPT-NeoX's MLP reads a norm of its
+    # own (post_attention_layernorm) of the same input.
+    parallel_residual_last: bool = False
+    parallel_mlp_norm: bool = False
+    lm_head_bias: bool = False  # Phi: the LM head has a bias
+    # Every MLP ungated, down(act(up(x))): Nemotron-H, Arcee, Jais 2 and Nemotron (squared ReLU),
+    # StarCoder2, Phi and GPT-NeoX (GELU), Apertus (xIELU, XieluMLP).
+    ungated_mlp: bool = False
     logit_scale: float | None = None
     rounded_rotary_tables: bool = False
     qk_norm_per_head: bool = False
@@ -253,7 +273,8 @@ class ModelSpec:
                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "hunyuan_v1_dense", "apertus",
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
-                 "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe", "jais2")
+                 "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe", "jais2",
+                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -264,10 +285,11 @@ class ModelSpec:
     (``mrope_section``) turns every section by the same position on text, which is the plain
     rotary. Their outer configs say whether the embeddings are tied."""
     GEMMA = ("gemma", "gemma2", "gemma3_text", "gemma4_text", "vaultgemma")
-    # The config's name -> ours.
-    ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "xielu": "xielu", "relu2": "relu2"}
-    OWN_ACTIVATIONS = {"xielu": ("apertus",), "relu2": ("nemotron_h", "arcee", "jais2")}
-    """Activations some model types have (their ungated MLPs'), and which; those types have no other."""
+    ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+    """The gated MLPs' activations: the config's name -> ours."""
+    OWN_ACTIVATIONS = {"apertus": {"xielu": "xielu"}, **dict.fromkeys(("nemotron_h", "arcee", "jais2", "nemotron"), RELU2),
+                       **dict.fromkeys(("starcoder2", "phi", "gpt_neox"), GELUS)}
+    """The model types whose MLPs are ungated, and the activations each may have (no other)."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
     LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu")
@@ -461,12 +483,10 @@ class ModelSpec:
             act = getattr(cfg, "mlp_hidden_act", "relu2")
         if gemma and act == "gelu":
             act = "gelu_pytorch_tanh"  # Gemma's first releases say "gelu" and mean the tanh form, as transformers reads it
-        own = {m for types in cls.OWN_ACTIVATIONS.values() for m in types}
-        if act not in cls.ACTIVATIONS or model_type not in cls.OWN_ACTIVATIONS.get(act, (model_type,)) or (
-                model_type in own and act not in cls.OWN_ACTIVATIONS):
-            supported = ", ".join(a for a in cls.ACTIVATIONS if a not in cls.OWN_ACTIVATIONS)
-            raise ModelError(f"hidden_act `{act}` is not supported; supported: {supported} (xielu: Apertus's; "
-                             "relu2: Nemotron-H's, Arcee's and Jais 2's)")
+        activations = cls.OWN_ACTIVATIONS.get(model_type, cls.ACTIVATIONS)
+        if act not in activations:
+            ungated = f" (`{model_type}`'s MLPs are ungated)" if model_type in cls.OWN_ACTIVATIONS else ""
+            raise ModelError(f"hidden_act `{act}` is not supported; supported: {', '.join(activations)}{ungated}")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or (
             getattr(cfg, "attention_head_dim", None) if model_type in HUNYUAN else None) or cfg.hidden_size // heads
@@ -579,7 +599,7 @@ class ModelSpec:
         deepseek_v2 = model_type == "deepseek_v2"
         interleaved = glm or ernie or deepseek_v2 or cohere or bool(llama4) or model_type == "helium" or (
             latent is not None and bool(getattr(cfg, "rope_interleave", True)))
-        return cls(
+        spec = cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             # Granite 4's dense models: the shared MLP alone
@@ -589,8 +609,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.layer_norm_eps if cohere or model_type == "jais2" else cfg.norm_eps if lfm2 else cfg.layer_norm_epsilon
-            if model_type == "nemotron_h" else cfg.rms_norm_eps,
+            rms_norm_eps=getattr(cfg, NORM_EPS.get(model_type, "rms_norm_eps")),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position=cfg.max_position_embeddings,
@@ -613,7 +632,8 @@ class ModelSpec:
             interleaved_rotary=interleaved,
             query_position_scaling=_query_position_scaling(scaling) if model_type in ("ministral3", "mistral4") else None,
             **_experts(cfg, model_type),
-            activation=cls.ACTIVATIONS[act],
+            activation=activations[act],
+            ungated_mlp=model_type in cls.OWN_ACTIVATIONS,
             embed_scale=cfg.hidden_size**0.5 if gemma else granite.get("embedding_multiplier") or (
                 _multiplier(cfg, "embedding_multiplier") if falcon else None),
             embed_scale_rounded=gemma,
@@ -644,8 +664,8 @@ class ModelSpec:
             logits_scaling=granite.get("logits_scaling"),
             **quantization,
             latent=latent,
-            centered_norms=cohere or model_type == "jais2",
-            norm_bias=model_type == "jais2",
+            centered_norms=cohere or model_type in LAYER_NORMED,
+            norm_bias=model_type in LAYER_NORMED,
             parallel_blocks=cohere,
             logit_scale=_logit_scale(cfg) if cohere else _multiplier(cfg, "lm_head_multiplier") if falcon else None,
             rounded_rotary_tables=cohere,
@@ -657,6 +677,8 @@ class ModelSpec:
             **gemma4,
             **llama4,
         )
+        # The older families' fields as their configs name them, past what the common reading says.
+        return replace(spec, **_layer_normed_fields(cfg, model_type)) if model_type in LAYER_NORMED else spec
 
 
 def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
@@ -671,6 +693,45 @@ def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
         # Nemotron-H: none at all; Solar Open and Helium: q, k and v's only
         return False
     return bool(getattr(cfg, "attention_bias", False))
+
+
+NORM_EPS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "jais2": "layer_norm_eps", "lfm2": "norm_eps",
+            "lfm2_moe": "norm_eps", "lfm3": "norm_eps", "nemotron_h": "layer_norm_epsilon", "starcoder2": "norm_epsilon",
+            "nemotron": "norm_eps", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps", "gpt_neox": "layer_norm_eps"}
+"""The config's name for its norms' epsilon where it is not ``rms_norm_eps``."""
+
+LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox")
+"""Model types whose norms are LayerNorms with biases (``centered_norms``, ``norm_bias``)."""
+
+
+def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
+    """What the LayerNorm families' configs say otherwise than Llama's: StarCoder2's ``use_bias``
+    (every projection's), Nemotron's biases and weights less one, StableLM's q/k/v biases
+    (``use_qkv_bias``; o never has one), parallel blocks (``use_parallel_residual``) and query and
+    key LayerNorms per head (``qk_layernorm``: Command R+'s), Phi's parallel blocks summed before
+    the residual and biases everywhere (the LM head's too), GPT-NeoX's parallel blocks with the
+    MLP's own norm (``use_parallel_residual``) and ``attention_bias`` (q, k, v and o's; its
+    MLP's always)."""
+    if model_type == "jais2":
+        return {}
+    if model_type == "starcoder2":
+        bias = bool(getattr(cfg, "use_bias", True))
+        return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+    if model_type == "nemotron":
+        return dict(norms_less_one=True)  # its attention_bias and mlp_bias read as Llama's
+    if model_type == "stablelm":
+        qk_norms = bool(getattr(cfg, "qk_layernorm", False))
+        return dict(qkv_bias=bool(getattr(cfg, "use_qkv_bias", False)), o_bias=False, mlp_bias=False,
+                    parallel_blocks=bool(getattr(cfg, "use_parallel_residual", False)), qk_norm=qk_norms,
+                    qk_norm_per_head=qk_norms)
+    if model_type == "phi":
+        if getattr(cfg, "qk_layernorm", False):
+            raise ModelError("qk_layernorm: Phi's query and key LayerNorms are not supported (no released Phi has them)")
+        return dict(qkv_bias=True, o_bias=True, mlp_bias=True, parallel_blocks=True, parallel_residual_last=True,
+                    lm_head_bias=True)
+    bias, parallel = bool(getattr(cfg, "attention_bias", True)), bool(getattr(cfg, "use_parallel_residual", True))
+    return dict(qkv_bias=bias, o_bias=bias, mlp_bias=True, parallel_blocks=parallel, parallel_residual_last=parallel,
+                parallel_mlp_norm=parallel)
 
 
 def _full_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -1334,7 +1395,7 @@ def _sliding_window(cfg: Any, model_type: str) -> tuple[int | None, tuple[int, .
         return (window, layers) if layers else (None, None)
     if model_type in ("llama", "gemma") or not window:
         return None, None
-    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3"):
+    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "ministral3", "starcoder2"):
         return int(window), None
     types = getattr(cfg, "layer_types", None)
     if model_type in ("gemma2", "gemma3_text", "gemma4_text", "vaultgemma", "gpt_oss", "olmo3", "ministral", *EXAONES,
@@ -1536,7 +1597,8 @@ class RMSNorm(nn.Module):
     model's dtype, then scaled), with ``float_scale`` gpt-oss's (scaled in float32, rounded once),
     or with ``offset`` Gemma's (scaled by ``1 + weight`` in float32, rounded once); ``weighted``
     False: no weight (Gemma 4's value norms and router input), normalised in float32, rounded once;
-    ``centered`` and ``bias``: a LayerNorm (Jais 2's), its weight and bias applied in float32."""
+    ``centered`` and ``bias``: torch's LayerNorm (Jais 2's, StarCoder2's, Nemotron's, StableLM's,
+    Phi's, GPT-NeoX's)."""
 
     def __init__(self, size: int | tuple[int, ...], eps: float, offset: bool = False, float_scale: bool = False,
                  centered: bool = False, weighted: bool = True, bias: bool = False) -> None:
@@ -1549,6 +1611,8 @@ class RMSNorm(nn.Module):
         self.centered = centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:  # torch's LayerNorm, as transformers runs it (its variance rounds otherwise)
+            return F.layer_norm(x, self.bias.shape, self.weight, self.bias, self.eps)
         dtype = x.dtype
         x = x.float()
         if self.centered:  # Cohere's LayerNorm (no bias): the deviation from the mean, normalised
@@ -1556,8 +1620,6 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is None:
             return x.to(dtype)
-        if self.bias is not None:
-            return (x * self.scale() + self.bias.float()).to(dtype)
         if self.float_scale:
             return (x * self.scale()).to(dtype)
         return self.weight * x.to(dtype)
@@ -1567,9 +1629,10 @@ class RMSNorm(nn.Module):
         return 1.0 + self.weight.float() if self.offset else self.weight.float()
 
 
-def _norm(spec: ModelSpec, size: int | tuple[int, ...]) -> RMSNorm:
-    """One of the model's norms, in its family's arithmetic."""
-    return RMSNorm(size, spec.rms_norm_eps, spec.offset_norms, spec.float_norms, spec.centered_norms, bias=spec.norm_bias)
+def _norm(spec: ModelSpec, size: int | tuple[int, ...], bias: bool | None = None) -> RMSNorm:
+    """One of the model's norms, in its family's arithmetic (``bias`` None: as its norms have)."""
+    return RMSNorm(size, spec.rms_norm_eps, spec.offset_norms, spec.float_norms, spec.centered_norms,
+                   bias=spec.norm_bias if bias is None else bias)
 
 
 class Attention(nn.Module):
@@ -1600,8 +1663,8 @@ class Attention(nn.Module):
         if spec.qk_norm_per_head:  # Command R+: a weight of its own for every head
             q_norm, k_norm = (spec.num_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
         self.v_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, weighted=False) if spec.value_norms else None
-        self.q_norm = _norm(spec, q_norm) if spec.qk_norm else None
-        self.k_norm = _norm(spec, k_norm) if spec.qk_norm and self.kv_size else None
+        self.q_norm = _norm(spec, q_norm, bias=False) if spec.qk_norm else None  # StableLM's have no bias either
+        self.k_norm = _norm(spec, k_norm, bias=False) if spec.qk_norm and self.kv_size else None
         if spec.weightless_qk_norm and self.rotates:  # Llama 4's: no weight, on the rotating layers only
             self.q_norm = self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, weighted=False)
         # The queries scaled by position: all of Ministral 3's, Llama 4's NoPE layers'.
@@ -1686,15 +1749,25 @@ class XieluMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """An ungated MLP, ``down(relu(up(x)) ** 2)``: Nemotron-H's blocks and experts (squared ReLU)."""
+    """An ungated MLP, ``down(act(up(x)))``: squared ReLU (Nemotron-H's blocks and experts,
+    Arcee's, Jais 2's, Nemotron's) or a GELU (``activation``: StarCoder2's tanh form, Phi's
+    ``gelu_new``, GPT-NeoX's exact one)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "relu2") -> None:
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        h = self.up_proj(x)
+        if self.activation == "relu2":
+            h = torch.square(F.relu(h))
+        elif self.activation == "gelu_new":  # step by step in the model's dtype, as transformers rounds it
+            h = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        else:
+            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.down_proj(h)
 
     def load(self, prefix: str, weights: WeightReader) -> None:
         """``prefix``: ``layers.N.mlp.`` (or an expert's)."""
@@ -1767,9 +1840,12 @@ class DecoderLayer(nn.Module):
                                              spec.attention_scale, lambda size: RMSNorm(size, LATENT_NORM_EPS))
         else:
             self.self_attn = Attention(spec, layer)
-        # Llama's name for the MLP's input norm (Cohere's MLP reads the attention's input)
-        self.post_attention_layernorm = norm() if input_norms and not spec.parallel_blocks else None
+        # Llama's name for the MLP's input norm (Cohere's MLP reads the attention's input, GPT-NeoX's
+        # a norm of its own of the same input)
+        self.post_attention_layernorm = norm() if input_norms and (
+            not spec.parallel_blocks or spec.parallel_mlp_norm) else None
         self.parallel = spec.parallel_blocks
+        self.residual_last = spec.parallel_residual_last
         self.attn_out_norm = norm() if sandwich else None
         self.mlp_out_norm = norm() if sandwich else None
         self.residual_scale = spec.residual_scale
@@ -1777,8 +1853,8 @@ class DecoderLayer(nn.Module):
         self.scalar = nn.Parameter(torch.ones(1), requires_grad=False) if spec.layer_scalars else None
         if spec.activation == "xielu":
             self.mlp = XieluMLP(spec.hidden_size, spec.intermediate_size)
-        elif spec.activation == "relu2":  # Arcee: ungated, squared ReLU
-            self.mlp = PlainMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        elif spec.ungated_mlp:
+            self.mlp = PlainMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.activation)
         elif spec.is_sparse(layer) and not spec.experts_beside_mlp:
             self.mlp = SparseMoE(spec, lambda size: MLP(
                 spec.hidden_size, size, spec.expert_bias, spec.activation, spec.clamped_swiglu
@@ -1830,7 +1906,8 @@ class DecoderLayer(nn.Module):
         if self.mamba is not None:  # Falcon-H1: both mixers from the same input, summed
             h = self.mamba(normed, rope, meta) + h
         if self.parallel:  # Cohere: both blocks from the same input, both added to it
-            return x + h + self.mlp(normed)
+            m = self.mlp(normed if self.post_attention_layernorm is None else self.post_attention_layernorm(x))
+            return h + m + x if self.residual_last else x + h + m
         x = x + self._branch(h, self.attn_out_norm)
         h = self.mlp(_normed(self.post_attention_layernorm, x))
         if self.moe is not None:  # Gemma 4: the experts' output beside the MLP's, routed from the residual
@@ -1849,11 +1926,27 @@ class DecoderLayer(nn.Module):
         return h if self.residual_scale is None else h * self.residual_scale
 
 
-def _load_norm(norm: RMSNorm, name: str, weights: WeightReader) -> None:
-    """A norm's weight (``name.weight``) and its bias where it has one (Jais 2's LayerNorms)."""
-    weights.copy(norm.weight, name + ".weight")
+def _load_norm(norm: RMSNorm, name: str, weights: WeightReader, less_one: bool = False) -> None:
+    """A norm's weight (``name.weight``; ``less_one``: stored less one, Nemotron's) and its bias
+    where it has one (the LayerNorms')."""
+    weights.copy(norm.weight, name + ".weight", weights.take(name + ".weight").to(norm.weight.dtype) + 1 if less_one else None)
     if norm.bias is not None:
         weights.copy(norm.bias, name + ".bias")
+
+
+def _heads_apart(value: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """GPT-NeoX's fused ``query_key_value`` rows (or bias), ``[heads, (q, k, v), head_dim]``, as
+    the q, k and v projections' rows."""
+    per_head = value.view(heads, 3, -1, *value.shape[1:])
+    return [per_head[:, i].reshape(-1, *value.shape[1:]) for i in range(3)]
+
+
+def _qk_norm_weight(weights: WeightReader, name: str, norm: RMSNorm) -> torch.Tensor:
+    """A query or key norm's weight: ``name.weight``, or StableLM's LayerNorm a head
+    (``name.norms.H.weight``) stacked as ``norm``'s ``[heads, head_dim]``."""
+    if not weights.has(name + ".norms.0.weight"):
+        return weights.take(name + ".weight")
+    return torch.stack([weights.take(f"{name}.norms.{h}.weight") for h in range(norm.weight.shape[0])])
 
 
 def _rows(tables: tuple[torch.Tensor, ...], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -1874,7 +1967,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = _norm(spec, spec.hidden_size)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=spec.lm_head_bias)
         self.per_layer_embed = self.per_layer_projection = self.per_layer_norm = None
         if spec.per_layer_input_size:  # Gemma 4 E2B, E4B: every layer's embedding of a token in one row
             width = spec.num_layers * spec.per_layer_input_size
@@ -2042,7 +2135,7 @@ class CausalLM(nn.Module):
                 load_mlp(layer.mlp, p + "mlp.", weights)
             if spec.qk_norm and isinstance(attn, Attention):
                 for name in ("q_norm", "k_norm") if attn.k_norm is not None else ("q_norm",):
-                    norm = weights.take(p + f"self_attn.{name}.weight")
+                    norm = _qk_norm_weight(weights, p + f"self_attn.{name}", getattr(attn, name))
                     if layout is not None and spec.qk_norm_per_head:  # [heads, head_dim]
                         norm = norm[:, layout]
                     elif layout is not None and norm.shape == layout.shape:
@@ -2051,7 +2144,7 @@ class CausalLM(nn.Module):
                         norm = norm.view(-1, spec.head_dim)[:, layout].flatten()
                     weights.copy(getattr(attn, name).weight, p + f"self_attn.{name}.weight", norm)
             if layer.input_layernorm is not None:
-                _load_norm(layer.input_layernorm, p + "input_layernorm", weights)
+                _load_norm(layer.input_layernorm, p + "input_layernorm", weights, spec.norms_less_one)
             if spec.glm_norm_names:
                 weights.copy(layer.attn_out_norm.weight, p + "post_self_attn_layernorm.weight")
                 weights.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
@@ -2062,7 +2155,7 @@ class CausalLM(nn.Module):
                     weights.copy(layer.post_attention_layernorm.weight, p + "pre_feedforward_layernorm.weight")
                 weights.copy(layer.mlp_out_norm.weight, p + "post_feedforward_layernorm.weight")
             elif layer.post_attention_layernorm is not None:
-                _load_norm(layer.post_attention_layernorm, p + "post_attention_layernorm", weights)
+                _load_norm(layer.post_attention_layernorm, p + "post_attention_layernorm", weights, spec.norms_less_one)
             if layer.moe is not None:  # Gemma 4's, under the layer itself
                 layer.moe.load(p, weights)
                 for norm, name in ((layer.moe_in_norm, "pre_feedforward_layernorm_2"),
@@ -2078,7 +2171,7 @@ class CausalLM(nn.Module):
             if loaded is not None:
                 _all_loaded(layer, p)
                 loaded(layer)
-        _load_norm(self.norm, "norm", weights)
+        _load_norm(self.norm, "norm", weights, spec.norms_less_one)
         if self.per_layer_embed is not None:
             weights.copy(self.per_layer_embed.weight, "embed_tokens_per_layer.weight")
             weights.copy(self.per_layer_projection.weight, "per_layer_model_projection.weight")
@@ -2094,6 +2187,8 @@ class CausalLM(nn.Module):
             state.pop("lm_head.weight", None)
         else:
             weights.copy(self.lm_head.weight, "lm_head.weight")
+        if spec.lm_head_bias:
+            weights.copy(self.lm_head.bias, "lm_head.bias")
 
 
     def _load_attention(self, attn: Attention, p: str, weights: WeightReader,
@@ -2101,8 +2196,11 @@ class CausalLM(nn.Module):
         """Layer ``p``'s q, k, v (fused, their rotated rows moved by ``reorder``), o and sinks."""
         spec = self.spec
         fused = p + "self_attn.qkv_proj.weight"  # Phi-3 stores q, k and v as one matrix, as we do
+        per_head = p + "self_attn.query_key_value."  # GPT-NeoX's: q, k and v rows head by head
         if weights.has(fused):
             qkv = reorder(weights.take(fused))
+        elif weights.has(per_head + "weight"):
+            qkv = self._gated(attn, _heads_apart(weights.take(per_head + "weight"), attn.num_heads), reorder)
         else:
             names = "q" if not attn.kv_size else "qk" if spec.values_from_keys and not attn.sliding else "qkv"
             parts = [weights.take(p + f"self_attn.{n}_proj.weight") for n in names]
@@ -2112,7 +2210,10 @@ class CausalLM(nn.Module):
             if spec.head_gates:  # LFM3: a gate a head, its own projection's rows after q, k and v
                 qkv = torch.cat((qkv, weights.take(p + "self_attn.g_proj.weight")))
         weights.copy(attn.qkv_proj.weight, fused, qkv)
-        if spec.qkv_bias:
+        if spec.qkv_bias and weights.has(per_head + "bias"):
+            weights.copy(attn.qkv_proj.bias, p + "qkv bias",
+                         self._gated(attn, _heads_apart(weights.take(per_head + "bias"), attn.num_heads), reorder))
+        elif spec.qkv_bias:
             bias = self._gated(attn, [weights.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], reorder)
             if spec.head_gates:  # g_proj has none
                 bias = torch.cat((bias, bias.new_zeros(attn.num_heads)))

@@ -389,7 +389,7 @@ def test_exaone4_and_seed_oss_specs():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["cohere", "apertus", "arcee", "jais2", "phi", "gpt_neox", "stablelm-parallel"])
+@pytest.mark.parametrize("arch", ["cohere", "apertus", "arcee", "jais2", "phi", "gpt_neox", "stablelm-parallel", "falcon-40b"])
 def test_what_the_c_step_lacks_runs_as_torch_operations(checkpoints, arch, fmt):
     """The C step has no mean-centred norms nor parallel blocks (Cohere, the LayerNorm families),
     no ungated MLPs (Apertus, Arcee, Phi, GPT-NeoX): under int8 and int4 their packed projections
@@ -399,8 +399,8 @@ def test_what_the_c_step_lacks_runs_as_torch_operations(checkpoints, arch, fmt):
 
 
 def test_layer_normed_specs():
-    """The LayerNorm families: each config's names for its epsilon and biases, the ungated MLPs'
-    activations (no other), Phi's query and key LayerNorms refused."""
+    """The LayerNorm families: each config's names for its epsilon, biases and MLP, the ungated
+    MLPs' activations (no other); Phi's query and key LayerNorms and Falcon's ALiBi refused."""
     from transformers import AutoConfig
 
     def spec(model_type, **changes):
@@ -427,6 +427,20 @@ def test_layer_normed_specs():
     s = spec("gpt_neox", use_parallel_residual=False, attention_bias=False)
     assert not (s.parallel_blocks or s.parallel_residual_last or s.parallel_mlp_norm or s.qkv_bias or s.o_bias)
     assert s.mlp_bias
+    s = spec("falcon", hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, layer_norm_epsilon=1e-3)
+    assert s.num_kv_heads == 1 and s.intermediate_size == 96 and s.activation == "gelu" and s.rms_norm_eps == 1e-3
+    assert s.parallel_blocks and s.parallel_residual_last and not s.parallel_mlp_norm and s.tie_word_embeddings
+    s = spec("falcon", hidden_size=64, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True, bias=True,
+             activation="gelu_pytorch_tanh")
+    assert s.num_kv_heads == 2 and s.parallel_mlp_norm and s.qkv_bias and s.o_bias and s.mlp_bias
+    assert s.activation == "gelu_tanh" and s.intermediate_size == 256
+    assert not spec("falcon", new_decoder_architecture=True, num_ln_in_parallel_attn=1).parallel_mlp_norm
+    with pytest.raises(ModelError, match="alibi: Falcon's ALiBi position biases"):
+        spec("falcon", alibi=True)
+    with pytest.raises(ModelError, match="new_decoder_architecture with parallel_attn false"):
+        spec("falcon", new_decoder_architecture=True, parallel_attn=False)
+    with pytest.raises(ModelError, match="hidden_act `relu` is not supported"):
+        spec("falcon", activation="relu")
     with pytest.raises(ModelError, match=r"hidden_act `silu` is not supported; supported: gelu_pytorch_tanh, gelu_new, "
                                          r"gelu \(`starcoder2`'s MLPs are ungated\)"):
         spec("starcoder2", hidden_act="silu")

@@ -652,7 +652,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
     return folder
 
 
-LAYER_NORMED_ARCHS = ("starcoder2", "nemotron", "stablelm", "stablelm-parallel", "phi", "gpt_neox", "gpt_neox-serial")
+LAYER_NORMED_ARCHS = ("starcoder2", "nemotron", "stablelm", "stablelm-parallel", "phi", "gpt_neox", "gpt_neox-serial",
+                      "falcon", "falcon-40b", "falcon2", "falcon-serial")
 """The tiny checkpoints of the LayerNorm families (:func:`_layer_normed_config`)."""
 
 
@@ -664,8 +665,10 @@ def _layer_normed_config(arch: str, common: dict):
     norm, query and key LayerNorms a head; Phi-2: parallel blocks summed before the residual, tanh
     GELU (``gelu_new``), biases everywhere, the LM head's too; GPT-NeoX (Pythia): q, k and v in
     one matrix head by head, parallel blocks with a norm each, exact GELU; serial: one after the
-    other."""
-    from transformers import GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
+    other; Falcon 7B: multi-query attention (q, k, v in one matrix), parallel blocks from one norm,
+    exact GELU, tied; 40B: grouped queries in one matrix group by group, a norm each; Falcon 2
+    11B: the same from one norm; serial: one block after the other."""
+    from transformers import FalconConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
 
     names = dict(layer_norm_eps=1e-5)
     if arch == "starcoder2":
@@ -678,6 +681,12 @@ def _layer_normed_config(arch: str, common: dict):
         return StableLmConfig(**common, **names, use_qkv_bias=not parallel, qk_layernorm=parallel,
                               use_parallel_residual=parallel,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    if arch.startswith("falcon"):
+        new = arch in ("falcon-40b", "falcon2")
+        return FalconConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "intermediate_size")},
+                            ffn_hidden_size=128, layer_norm_epsilon=1e-5, multi_query=not new, num_kv_heads=2 if new else None,
+                            new_decoder_architecture=new, parallel_attn=arch != "falcon-serial",
+                            num_ln_in_parallel_attn=1 if arch == "falcon2" else None, bias=False, activation="gelu")
     if arch == "phi":
         return PhiConfig(**common, **names, hidden_act="gelu_new",
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})

@@ -279,6 +279,11 @@ _RENAMED = {
     # in one `query_key_value`, head by head) and ungated MLP
     "gpt_neox": ((".attention.dense.", ".self_attn.o_proj."), (".attention.", ".self_attn."),
                  (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj.")),
+    # Falcon's layers: its attention (q, k and v in one `query_key_value`, by key-value group),
+    # ungated MLP, and 40B's two norms (`ln_attn`, `ln_mlp`)
+    "falcon": ((".self_attention.dense.", ".self_attn.o_proj."), (".self_attention.", ".self_attn."),
+               (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+               (".ln_attn.", ".input_layernorm."), (".ln_mlp.", ".post_attention_layernorm.")),
 }
 """Model types whose weights are read by the names a Llama checkpoint gives their counterparts:
 (theirs, ours) parts of a name."""
@@ -287,6 +292,8 @@ _RENAMED = {
 _MODEL_NAMES = {
     "gpt_neox": (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
                  ("gpt_neox.", "model."), ("embed_out.", "lm_head.")),
+    "falcon": (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+               ("transformer.h.", "model.layers.")),
 }
 """Model types whose whole model is named otherwise, before _RENAMED renames within its layers."""
 

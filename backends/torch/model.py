@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
 Apertus, Arcee, InternLM3, Helium, Gemma 1/2/3/4, VaultGemma, the LayerNorm families Jais 2, StarCoder2,
-Nemotron, StableLM 2, Phi-2 and GPT-NeoX, and the mixtures of experts Mixtral,
+Nemotron, StableLM 2, Phi-2, GPT-NeoX and Falcon, and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, Solar Open, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash, Mistral 4 and Youtu-LLM; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
@@ -23,7 +23,8 @@ each block's output, logits), OLMo 2/3's norms (of each block's output only, and
 whole query and key projections), GLM's interleaved rotary pairs, Ministral 3's
 position-scaled queries and Llama 4's chunked attention, weightless query and key norms and NoPE
 temperature are flags too, as are the older families' LayerNorms with biases, ungated GELU or
-squared-ReLU MLPs and parallel attention and MLP blocks (Cohere's, StableLM 2 12B's, Phi's, GPT-NeoX's).
+squared-ReLU MLPs and parallel attention and MLP blocks (Cohere's, StableLM 2 12B's, Phi's, GPT-NeoX's,
+Falcon's).
 Every forward pass works on a flat batch of tokens from many sequences at once (continuous
 batching); :mod:`.attention` knows which tokens belong to whom.
 Numerics follow Hugging Face's implementation so that greedy outputs match it token for token.
@@ -274,7 +275,7 @@ class ModelSpec:
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
                  "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe", "jais2",
-                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox")
+                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -288,7 +289,7 @@ class ModelSpec:
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
     """The gated MLPs' activations: the config's name -> ours."""
     OWN_ACTIVATIONS = {"apertus": {"xielu": "xielu"}, **dict.fromkeys(("nemotron_h", "arcee", "jais2", "nemotron"), RELU2),
-                       **dict.fromkeys(("starcoder2", "phi", "gpt_neox"), GELUS)}
+                       **dict.fromkeys(("starcoder2", "phi", "gpt_neox", "falcon"), GELUS)}
     """The model types whose MLPs are ungated, and the activations each may have (no other)."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
@@ -481,6 +482,8 @@ class ModelSpec:
         act = (getattr(cfg, "hidden_activation", None) if gemma else None) or getattr(cfg, "hidden_act", "silu")
         if model_type == "nemotron_h":
             act = getattr(cfg, "mlp_hidden_act", "relu2")
+        elif model_type == "falcon":
+            act = cfg.activation
         if gemma and act == "gelu":
             act = "gelu_pytorch_tanh"  # Gemma's first releases say "gelu" and mean the tanh form, as transformers reads it
         activations = cls.OWN_ACTIVATIONS.get(model_type, cls.ACTIVATIONS)
@@ -697,10 +700,11 @@ def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
 
 NORM_EPS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "jais2": "layer_norm_eps", "lfm2": "norm_eps",
             "lfm2_moe": "norm_eps", "lfm3": "norm_eps", "nemotron_h": "layer_norm_epsilon", "starcoder2": "norm_epsilon",
-            "nemotron": "norm_eps", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps", "gpt_neox": "layer_norm_eps"}
+            "nemotron": "norm_eps", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps", "gpt_neox": "layer_norm_eps",
+            "falcon": "layer_norm_epsilon"}
 """The config's name for its norms' epsilon where it is not ``rms_norm_eps``."""
 
-LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox")
+LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon")
 """Model types whose norms are LayerNorms with biases (``centered_norms``, ``norm_bias``)."""
 
 
@@ -711,9 +715,11 @@ def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
     key LayerNorms per head (``qk_layernorm``: Command R+'s), Phi's parallel blocks summed before
     the residual and biases everywhere (the LM head's too), GPT-NeoX's parallel blocks with the
     MLP's own norm (``use_parallel_residual``) and ``attention_bias`` (q, k, v and o's; its
-    MLP's always)."""
+    MLP's always), Falcon's (:func:`_falcon_fields`)."""
     if model_type == "jais2":
         return {}
+    if model_type == "falcon":
+        return _falcon_fields(cfg)
     if model_type == "starcoder2":
         bias = bool(getattr(cfg, "use_bias", True))
         return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
@@ -732,6 +738,24 @@ def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
     bias, parallel = bool(getattr(cfg, "attention_bias", True)), bool(getattr(cfg, "use_parallel_residual", True))
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=True, parallel_blocks=parallel, parallel_residual_last=parallel,
                 parallel_mlp_norm=parallel)
+
+
+def _falcon_fields(cfg: Any) -> dict[str, Any]:
+    """Falcon: 7B's parallel blocks from one norm, multi-query attention; 40B's and 180B's
+    (``new_decoder_architecture``) a norm each (``num_ln_in_parallel_attn`` 2, Falcon 2 11B's 1),
+    grouped queries; the blocks' outputs summed before the residual; ungated MLPs of
+    ``ffn_hidden_size`` through ``activation``; ``bias`` on every projection. ALiBi (Falcon-RW)
+    refused."""
+    if getattr(cfg, "alibi", False):
+        raise ModelError("alibi: Falcon's ALiBi position biases (Falcon-RW) are not supported; rotary Falcons are")
+    new = bool(getattr(cfg, "new_decoder_architecture", False))
+    parallel = bool(getattr(cfg, "parallel_attn", True))
+    if new and not parallel:  # transformers cannot run it either
+        raise ModelError("new_decoder_architecture with parallel_attn false: Falcon's new layers are parallel")
+    bias = bool(getattr(cfg, "bias", False))
+    return dict(intermediate_size=cfg.ffn_hidden_size, qkv_bias=bias, o_bias=bias, mlp_bias=bias, parallel_blocks=parallel,
+                parallel_residual_last=parallel,
+                parallel_mlp_norm=new and (getattr(cfg, "num_ln_in_parallel_attn", None) or 2) == 2)
 
 
 def _full_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -1934,11 +1958,14 @@ def _load_norm(norm: RMSNorm, name: str, weights: WeightReader, less_one: bool =
         weights.copy(norm.bias, name + ".bias")
 
 
-def _heads_apart(value: torch.Tensor, heads: int) -> list[torch.Tensor]:
-    """GPT-NeoX's fused ``query_key_value`` rows (or bias), ``[heads, (q, k, v), head_dim]``, as
-    the q, k and v projections' rows."""
-    per_head = value.view(heads, 3, -1, *value.shape[1:])
-    return [per_head[:, i].reshape(-1, *value.shape[1:]) for i in range(3)]
+def _grouped_qkv(value: torch.Tensor, attn: Attention) -> list[torch.Tensor]:
+    """A fused ``query_key_value``'s rows (or bias) by key-value group, ``[kv_heads, (the group's
+    queries, k, v), head_dim]``, as the q, k and v projections' rows: GPT-NeoX's (a group a
+    head: ``[q, k, v]`` head by head), Falcon 40B's grouped queries, Falcon 7B's one group
+    (every query head, then k and v)."""
+    rest = value.shape[1:]
+    groups = value.view(attn.num_kv_heads, attn.num_heads // attn.num_kv_heads + 2, attn.head_dim, *rest)
+    return [groups[:, :-2].reshape(-1, *rest), groups[:, -2].reshape(-1, *rest), groups[:, -1].reshape(-1, *rest)]
 
 
 def _qk_norm_weight(weights: WeightReader, name: str, norm: RMSNorm) -> torch.Tensor:
@@ -2196,11 +2223,11 @@ class CausalLM(nn.Module):
         """Layer ``p``'s q, k, v (fused, their rotated rows moved by ``reorder``), o and sinks."""
         spec = self.spec
         fused = p + "self_attn.qkv_proj.weight"  # Phi-3 stores q, k and v as one matrix, as we do
-        per_head = p + "self_attn.query_key_value."  # GPT-NeoX's: q, k and v rows head by head
+        grouped = p + "self_attn.query_key_value."  # GPT-NeoX's and Falcon's: q, k and v rows by group
         if weights.has(fused):
             qkv = reorder(weights.take(fused))
-        elif weights.has(per_head + "weight"):
-            qkv = self._gated(attn, _heads_apart(weights.take(per_head + "weight"), attn.num_heads), reorder)
+        elif weights.has(grouped + "weight"):
+            qkv = self._gated(attn, _grouped_qkv(weights.take(grouped + "weight"), attn), reorder)
         else:
             names = "q" if not attn.kv_size else "qk" if spec.values_from_keys and not attn.sliding else "qkv"
             parts = [weights.take(p + f"self_attn.{n}_proj.weight") for n in names]
@@ -2210,9 +2237,9 @@ class CausalLM(nn.Module):
             if spec.head_gates:  # LFM3: a gate a head, its own projection's rows after q, k and v
                 qkv = torch.cat((qkv, weights.take(p + "self_attn.g_proj.weight")))
         weights.copy(attn.qkv_proj.weight, fused, qkv)
-        if spec.qkv_bias and weights.has(per_head + "bias"):
-            weights.copy(attn.qkv_proj.bias, p + "qkv bias",
-                         self._gated(attn, _heads_apart(weights.take(per_head + "bias"), attn.num_heads), reorder))
+        if spec.qkv_bias and weights.has(grouped + "bias"):
+            weights.copy(attn.qkv_proj.bias, p + "qkv bias", self._gated(attn, _grouped_qkv(weights.take(grouped + "bias"), attn),
+                                                                         reorder))
         elif spec.qkv_bias:
             bias = self._gated(attn, [weights.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], reorder)
             if spec.head_gates:  # g_proj has none

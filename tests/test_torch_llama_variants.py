@@ -435,6 +435,12 @@ def test_layer_normed_specs():
     assert s.num_kv_heads == 2 and s.parallel_mlp_norm and s.qkv_bias and s.o_bias and s.mlp_bias
     assert s.activation == "gelu_tanh" and s.intermediate_size == 256
     assert not spec("falcon", new_decoder_architecture=True, num_ln_in_parallel_attn=1).parallel_mlp_norm
+    s = spec("gptj", n_embd=64, n_head=4, rotary_dim=8, activation_function="gelu_new", layer_norm_epsilon=1e-3)
+    assert s.rotary_dim == 8 and s.interleaved_rotary and s.intermediate_size == 256 and s.activation == "gelu_new"
+    assert s.parallel_residual_last and s.lm_head_bias and s.mlp_bias and not (s.qkv_bias or s.o_bias)
+    assert s.rms_norm_eps == 1e-3 and s.rope_theta == 10000.0
+    s = spec("gptj", n_embd=64, n_head=4, rotary_dim=16, n_inner=96)
+    assert s.rotary_dim is None and s.intermediate_size == 96  # the whole head rotating
     with pytest.raises(ModelError, match="alibi: Falcon's ALiBi position biases"):
         spec("falcon", alibi=True)
     with pytest.raises(ModelError, match="new_decoder_architecture with parallel_attn false"):

@@ -653,7 +653,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
 
 LAYER_NORMED_ARCHS = ("starcoder2", "nemotron", "stablelm", "stablelm-parallel", "phi", "gpt_neox", "gpt_neox-serial",
-                      "falcon", "falcon-40b", "falcon2", "falcon-serial")
+                      "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj")
 """The tiny checkpoints of the LayerNorm families (:func:`_layer_normed_config`)."""
 
 
@@ -667,8 +667,10 @@ def _layer_normed_config(arch: str, common: dict):
     one matrix head by head, parallel blocks with a norm each, exact GELU; serial: one after the
     other; Falcon 7B: multi-query attention (q, k, v in one matrix), parallel blocks from one norm,
     exact GELU, tied; 40B: grouped queries in one matrix group by group, a norm each; Falcon 2
-    11B: the same from one norm; serial: one block after the other."""
-    from transformers import FalconConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
+    11B: the same from one norm; serial: one block after the other; GPT-J: parallel blocks summed
+    before the residual, adjacent rotary pairs on 8 of each head's 16 dimensions, ``gelu_new``, the
+    LM head's bias."""
+    from transformers import FalconConfig, GPTJConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
 
     names = dict(layer_norm_eps=1e-5)
     if arch == "starcoder2":
@@ -687,6 +689,10 @@ def _layer_normed_config(arch: str, common: dict):
                             ffn_hidden_size=128, layer_norm_epsilon=1e-5, multi_query=not new, num_kv_heads=2 if new else None,
                             new_decoder_architecture=new, parallel_attn=arch != "falcon-serial",
                             num_ln_in_parallel_attn=1 if arch == "falcon2" else None, bias=False, activation="gelu")
+    if arch == "gptj":
+        return GPTJConfig(vocab_size=common["vocab_size"], n_positions=512, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                          n_inner=128, activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=1,
+                          eos_token_id=2, tie_word_embeddings=False)
     if arch == "phi":
         return PhiConfig(**common, **names, hidden_act="gelu_new",
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})

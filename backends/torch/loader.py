@@ -284,6 +284,9 @@ _RENAMED = {
     "falcon": ((".self_attention.dense.", ".self_attn.o_proj."), (".self_attention.", ".self_attn."),
                (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
                (".ln_attn.", ".input_layernorm."), (".ln_mlp.", ".post_attention_layernorm.")),
+    # GPT-J's layers: its attention's o_proj and the rest of it, norm and ungated MLP
+    "gptj": ((".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn."), (".ln_1.", ".input_layernorm."),
+             (".mlp.fc_in.", ".mlp.up_proj."), (".mlp.fc_out.", ".mlp.down_proj.")),
 }
 """Model types whose weights are read by the names a Llama checkpoint gives their counterparts:
 (theirs, ours) parts of a name."""
@@ -294,6 +297,7 @@ _MODEL_NAMES = {
                  ("gpt_neox.", "model."), ("embed_out.", "lm_head.")),
     "falcon": (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
                ("transformer.h.", "model.layers.")),
+    "gptj": (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."), ("transformer.h.", "model.layers.")),
 }
 """Model types whose whole model is named otherwise, before _RENAMED renames within its layers."""
 

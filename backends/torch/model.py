@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
 Apertus, Arcee, InternLM3, Helium, Gemma 1/2/3/4, VaultGemma, the LayerNorm families Jais 2, StarCoder2,
-Nemotron, StableLM 2, Phi-2, GPT-NeoX and Falcon, and the mixtures of experts Mixtral,
+Nemotron, StableLM 2, Phi-2, GPT-NeoX, GPT-J and Falcon, and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, Solar Open, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash, Mistral 4 and Youtu-LLM; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
@@ -275,7 +275,7 @@ class ModelSpec:
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
                  "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe", "jais2",
-                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon")
+                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -289,7 +289,7 @@ class ModelSpec:
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
     """The gated MLPs' activations: the config's name -> ours."""
     OWN_ACTIVATIONS = {"apertus": {"xielu": "xielu"}, **dict.fromkeys(("nemotron_h", "arcee", "jais2", "nemotron"), RELU2),
-                       **dict.fromkeys(("starcoder2", "phi", "gpt_neox", "falcon"), GELUS)}
+                       **dict.fromkeys(("starcoder2", "phi", "gpt_neox", "falcon", "gptj"), GELUS)}
     """The model types whose MLPs are ungated, and the activations each may have (no other)."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
@@ -479,11 +479,8 @@ class ModelSpec:
         gemma4 = _gemma4_fields(cfg) if model_type == "gemma4_text" else {}
         if getattr(cfg, "use_bidirectional_attention", False) and not (gemma4 and cfg.use_bidirectional_attention == "vision"):
             raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
-        act = (getattr(cfg, "hidden_activation", None) if gemma else None) or getattr(cfg, "hidden_act", "silu")
-        if model_type == "nemotron_h":
-            act = getattr(cfg, "mlp_hidden_act", "relu2")
-        elif model_type == "falcon":
-            act = cfg.activation
+        act = (getattr(cfg, "hidden_activation", None) if gemma else None) or getattr(cfg, ACT_NAMES.get(model_type, "hidden_act"),
+                                                                                      "silu")
         if gemma and act == "gelu":
             act = "gelu_pytorch_tanh"  # Gemma's first releases say "gelu" and mean the tanh form, as transformers reads it
         activations = cls.OWN_ACTIVATIONS.get(model_type, cls.ACTIVATIONS)
@@ -516,6 +513,8 @@ class ModelSpec:
             local = {"rope_theta": theta}
         local_scaling = _rope_scaling(local, cfg) if local is not None else None
         partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+        if model_type == "gptj" and getattr(cfg, "rotary_dim", None):  # its rotated dimensions by number
+            partial = cfg.rotary_dim / head_dim
         if model_type == "mistral4" and latent is not None and partial is not None and math.isclose(
                 float(partial), latent.rope / (latent.rope + latent.nope)):
             partial = None  # its rope parameters say which part of a query head rotates: the latent's rotated part
@@ -600,7 +599,7 @@ class ModelSpec:
         # DeepSeek-V2 rotates adjacent pairs as complex numbers, in float32; V3 and GLM-4.7-Flash
         # adjacent pairs (rope_interleave) in the model's dtype.
         deepseek_v2 = model_type == "deepseek_v2"
-        interleaved = glm or ernie or deepseek_v2 or cohere or bool(llama4) or model_type == "helium" or (
+        interleaved = glm or ernie or deepseek_v2 or cohere or bool(llama4) or model_type in ("helium", "gptj") or (
             latent is not None and bool(getattr(cfg, "rope_interleave", True)))
         spec = cls(
             vocab_size=cfg.vocab_size,
@@ -701,10 +700,13 @@ def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
 NORM_EPS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "jais2": "layer_norm_eps", "lfm2": "norm_eps",
             "lfm2_moe": "norm_eps", "lfm3": "norm_eps", "nemotron_h": "layer_norm_epsilon", "starcoder2": "norm_epsilon",
             "nemotron": "norm_eps", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps", "gpt_neox": "layer_norm_eps",
-            "falcon": "layer_norm_epsilon"}
+            "falcon": "layer_norm_epsilon", "gptj": "layer_norm_epsilon"}
 """The config's name for its norms' epsilon where it is not ``rms_norm_eps``."""
 
-LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon")
+LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj")
+
+ACT_NAMES = {"nemotron_h": "mlp_hidden_act", "falcon": "activation", "gptj": "activation_function"}
+"""The config's name for its MLPs' activation where it is not ``hidden_act``."""
 """Model types whose norms are LayerNorms with biases (``centered_norms``, ``norm_bias``)."""
 
 
@@ -715,11 +717,15 @@ def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
     key LayerNorms per head (``qk_layernorm``: Command R+'s), Phi's parallel blocks summed before
     the residual and biases everywhere (the LM head's too), GPT-NeoX's parallel blocks with the
     MLP's own norm (``use_parallel_residual``) and ``attention_bias`` (q, k, v and o's; its
-    MLP's always), Falcon's (:func:`_falcon_fields`)."""
+    MLP's always), Falcon's (:func:`_falcon_fields`), GPT-J's parallel blocks summed before the
+    residual (Phi's), its MLP of ``n_inner`` (else four times the hidden size) and LM head bias."""
     if model_type == "jais2":
         return {}
     if model_type == "falcon":
         return _falcon_fields(cfg)
+    if model_type == "gptj":
+        return dict(intermediate_size=getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size, qkv_bias=False, o_bias=False,
+                    mlp_bias=True, parallel_blocks=True, parallel_residual_last=True, lm_head_bias=True)
     if model_type == "starcoder2":
         bias = bool(getattr(cfg, "use_bias", True))
         return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bias)

@@ -441,6 +441,14 @@ def test_layer_normed_specs():
     assert s.rms_norm_eps == 1e-3 and s.rope_theta == 10000.0
     s = spec("gptj", n_embd=64, n_head=4, rotary_dim=16, n_inner=96)
     assert s.rotary_dim is None and s.intermediate_size == 96  # the whole head rotating
+    s = spec("gpt2", n_embd=64, n_head=4, n_layer=3, n_positions=256, scale_attn_weights=False)
+    assert s.learned_positions and s.nope_layers == (0, 1, 2) and s.max_position == s.context_length == 256
+    assert s.attention_scale == 1.0 and s.intermediate_size == 256 and s.activation == "gelu_new" and s.tie_word_embeddings
+    assert s.qkv_bias and s.o_bias and s.mlp_bias and spec("gpt2", n_embd=64, n_head=4).attention_scale == 16**-0.5
+    with pytest.raises(ModelError, match="scale_attn_by_inverse_layer_idx: scores scaled by their layer's index"):
+        spec("gpt2", scale_attn_by_inverse_layer_idx=True)
+    assert spec("gpt_bigcode", n_embd=64, n_head=4).num_kv_heads == 1
+    assert spec("gpt_bigcode", n_embd=64, n_head=4, multi_query=False).num_kv_heads == 4
     with pytest.raises(ModelError, match="alibi: Falcon's ALiBi position biases"):
         spec("falcon", alibi=True)
     with pytest.raises(ModelError, match="new_decoder_architecture with parallel_attn false"):
@@ -471,6 +479,24 @@ def test_ungated_gelus_are_transformers_activations():
             mlp.down_proj.weight.copy_(torch.eye(4))
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(mlp.to(dtype)(x.to(dtype)), ACT2FN[theirs](x.to(dtype))), (theirs, dtype)
+
+
+def test_gpt2_as_first_released(checkpoints, tmp_path):
+    """GPT-2's first releases name their weights without ``transformer.`` and hold each layer's
+    causal mask (``h.N.attn.bias``, ``masked_bias``): the same model, logprobs for logprobs."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "gpt2-first"
+    shutil.copytree(checkpoints["gpt2"], folder)
+    state = load_file(str(folder / "model.safetensors"))
+    assert any(k.startswith("transformer.h.") for k in state)
+    renamed = {k.removeprefix("transformer."): v for k, v in state.items()}
+    for layer in range(2):
+        renamed[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(512, 512, dtype=torch.bool)).view(1, 1, 512, 512)
+        renamed[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(renamed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    prompt, first = engine_prompt_logprobs(folder)
+    assert engine_prompt_logprobs(checkpoints["gpt2"]) == (prompt, first)
 
 
 def test_apertus_specs_and_xielu():

@@ -653,7 +653,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
 
 LAYER_NORMED_ARCHS = ("starcoder2", "nemotron", "stablelm", "stablelm-parallel", "phi", "gpt_neox", "gpt_neox-serial",
-                      "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj")
+                      "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj", "gpt2", "gpt_bigcode")
 """The tiny checkpoints of the LayerNorm families (:func:`_layer_normed_config`)."""
 
 
@@ -669,8 +669,9 @@ def _layer_normed_config(arch: str, common: dict):
     exact GELU, tied; 40B: grouped queries in one matrix group by group, a norm each; Falcon 2
     11B: the same from one norm; serial: one block after the other; GPT-J: parallel blocks summed
     before the residual, adjacent rotary pairs on 8 of each head's 16 dimensions, ``gelu_new``, the
-    LM head's bias."""
-    from transformers import FalconConfig, GPTJConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
+    LM head's bias; GPT-2: learned positions, Conv1D matrices, ``gelu_new``, tied; GPTBigCode
+    (StarCoder 1): the same with multi-query attention and the tanh GELU, untied."""
+    from transformers import FalconConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
 
     names = dict(layer_norm_eps=1e-5)
     if arch == "starcoder2":
@@ -689,6 +690,12 @@ def _layer_normed_config(arch: str, common: dict):
                             ffn_hidden_size=128, layer_norm_epsilon=1e-5, multi_query=not new, num_kv_heads=2 if new else None,
                             new_decoder_architecture=new, parallel_attn=arch != "falcon-serial",
                             num_ln_in_parallel_attn=1 if arch == "falcon2" else None, bias=False, activation="gelu")
+    if arch in ("gpt2", "gpt_bigcode"):
+        shape = dict(vocab_size=common["vocab_size"], n_positions=512, n_embd=64, n_layer=2, n_head=4, n_inner=128,
+                     layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2)
+        if arch == "gpt2":
+            return GPT2Config(**shape, activation_function="gelu_new", tie_word_embeddings=True)
+        return GPTBigCodeConfig(**shape, activation_function="gelu_pytorch_tanh", multi_query=True, tie_word_embeddings=False)
     if arch == "gptj":
         return GPTJConfig(vocab_size=common["vocab_size"], n_positions=512, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                           n_inner=128, activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=1,

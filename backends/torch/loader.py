@@ -213,10 +213,15 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if isinstance(template, dict):
         template = template.get("default")
     rename = _language_model_weight if getattr(config, "text_config", None) is not None else None
-    for names in (_MODEL_NAMES, _RENAMED):
-        if getattr(config, "model_type", None) in names:
-            rename = _renamed(names[config.model_type], rename)
-    return Checkpoint(spec, _safetensors_weights(path, rename), HFTokenizer(hf_tok, eos), template)
+    model_type = getattr(config, "model_type", None)
+    if model_type in _MODEL_NAMES:
+        rename = _renamed(_MODEL_NAMES[model_type], rename, prefixes=True)
+    if model_type in _RENAMED:
+        rename = _renamed(_RENAMED[model_type], rename)
+    weights = _safetensors_weights(path, rename)
+    if model_type == "gpt2":  # its Conv1D layers hold their matrices [in, out]: as a Linear's, views
+        weights.update({k: v.t() for k, v in weights.items() if v.dim() == 2 and k.startswith("model.layers.")})
+    return Checkpoint(spec, weights, HFTokenizer(hf_tok, eos), template)
 
 
 _LFM_MLP_NAMES = ((".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
@@ -238,6 +243,11 @@ norm ``pre_feedforward_layernorm``), MLP and final norm."""
 _BAMBA_NAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
                 ("model.final_layernorm.", "model.norm."))
 """Bamba's and Falcon-H1's MLPs, their input norms and the final norm (their Mamba2 layers: ``mamba.``)."""
+
+_GPT2_NAMES = ((".attn.c_attn.", ".self_attn.qkv_proj."), (".attn.c_proj.", ".self_attn.o_proj."),
+               (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."), (".mlp.c_fc.", ".mlp.up_proj."),
+               (".mlp.c_proj.", ".mlp.down_proj."))
+"""GPT-2's and GPTBigCode's attention, norms and MLP."""
 
 _RENAMED = {
     "lfm2": _LFM2_NAMES,
@@ -287,10 +297,16 @@ _RENAMED = {
     # GPT-J's layers: its attention's o_proj and the rest of it, norm and ungated MLP
     "gptj": ((".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn."), (".ln_1.", ".input_layernorm."),
              (".mlp.fc_in.", ".mlp.up_proj."), (".mlp.fc_out.", ".mlp.down_proj.")),
+    # GPT-2's and GPTBigCode's layers: q, k and v in one `c_attn` (as ours: all q rows, then k's, v's)
+    "gpt2": _GPT2_NAMES,
+    "gpt_bigcode": _GPT2_NAMES,
 }
 """Model types whose weights are read by the names a Llama checkpoint gives their counterparts:
 (theirs, ours) parts of a name."""
 
+
+_GPT2_MODEL = tuple((prefix + theirs, ours) for prefix in ("transformer.", "") for theirs, ours in (
+    ("wte.", "model.embed_tokens."), ("wpe.", "model.embed_positions."), ("ln_f.", "model.norm."), ("h.", "model.layers.")))
 
 _MODEL_NAMES = {
     "gpt_neox": (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
@@ -298,20 +314,25 @@ _MODEL_NAMES = {
     "falcon": (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
                ("transformer.h.", "model.layers.")),
     "gptj": (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."), ("transformer.h.", "model.layers.")),
+    # GPT-2's and GPTBigCode's (GPT-2's first releases without the `transformer.`)
+    "gpt2": _GPT2_MODEL,
+    "gpt_bigcode": _GPT2_MODEL,
 }
-"""Model types whose whole model is named otherwise, before _RENAMED renames within its layers."""
+"""Model types whose whole model is named otherwise (each a prefix of a weight's name), before
+_RENAMED renames within its layers."""
 
 
-def _renamed(names: tuple[tuple[str, str], ...],
-             first: Callable[[str], str | None] | None = None) -> Callable[[str], str | None]:
-    """A weight's name with the first of ``names``' parts it holds replaced (after ``first``, an
-    image-text checkpoint's renaming to its language model's names: None stays None)."""
+def _renamed(names: tuple[tuple[str, str], ...], first: Callable[[str], str | None] | None = None,
+             prefixes: bool = False) -> Callable[[str], str | None]:
+    """A weight's name with the first of ``names``' parts it holds replaced (``prefixes``: the
+    first it begins with), after ``first``, an image-text checkpoint's renaming to its language
+    model's names (None stays None)."""
     def rename(key: str) -> str | None:
         if first is not None and (key := first(key)) is None:
             return None
         for theirs, ours in names:
-            if theirs in key:
-                return key.replace(theirs, ours)
+            if key.startswith(theirs) if prefixes else theirs in key:
+                return ours + key[len(theirs):] if prefixes else key.replace(theirs, ours)
         return key
 
     return rename

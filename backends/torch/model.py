@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
 Apertus, Arcee, InternLM3, Helium, Gemma 1/2/3/4, VaultGemma, the LayerNorm families Jais 2, StarCoder2,
-Nemotron, StableLM 2, Phi-2, GPT-NeoX, GPT-J and Falcon, and the mixtures of experts Mixtral,
+Nemotron, StableLM 2, Phi-2, GPT-NeoX, GPT-J, Falcon, GPT-2 and GPTBigCode, and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, Solar Open, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash, Mistral 4 and Youtu-LLM; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
@@ -186,6 +186,9 @@ class ModelSpec:
     parallel_residual_last: bool = False
     parallel_mlp_norm: bool = False
     lm_head_bias: bool = False  # Phi: the LM head has a bias
+    # GPT-2, GPTBigCode: a table of max_position learned position embeddings added to the tokens'
+    # (every layer in nope_layers).
+    learned_positions: bool = False
     # Every MLP ungated, down(act(up(x))): Nemotron-H, Arcee, Jais 2 and Nemotron (squared ReLU),
     # StarCoder2, Phi and GPT-NeoX (GELU), Apertus (xIELU, XieluMLP).
     ungated_mlp: bool = False
@@ -275,7 +278,7 @@ class ModelSpec:
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
                  "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe", "jais2",
-                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj")
+                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -289,7 +292,7 @@ class ModelSpec:
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
     """The gated MLPs' activations: the config's name -> ours."""
     OWN_ACTIVATIONS = {"apertus": {"xielu": "xielu"}, **dict.fromkeys(("nemotron_h", "arcee", "jais2", "nemotron"), RELU2),
-                       **dict.fromkeys(("starcoder2", "phi", "gpt_neox", "falcon", "gptj"), GELUS)}
+                       **dict.fromkeys(("starcoder2", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode"), GELUS)}
     """The model types whose MLPs are ungated, and the activations each may have (no other)."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
@@ -700,12 +703,14 @@ def _o_bias(cfg: Any, model_type: str, use_bias: bool) -> bool:
 NORM_EPS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "jais2": "layer_norm_eps", "lfm2": "norm_eps",
             "lfm2_moe": "norm_eps", "lfm3": "norm_eps", "nemotron_h": "layer_norm_epsilon", "starcoder2": "norm_epsilon",
             "nemotron": "norm_eps", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps", "gpt_neox": "layer_norm_eps",
-            "falcon": "layer_norm_epsilon", "gptj": "layer_norm_epsilon"}
+            "falcon": "layer_norm_epsilon", "gptj": "layer_norm_epsilon", "gpt2": "layer_norm_epsilon",
+            "gpt_bigcode": "layer_norm_epsilon"}
 """The config's name for its norms' epsilon where it is not ``rms_norm_eps``."""
 
-LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj")
+LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode")
 
-ACT_NAMES = {"nemotron_h": "mlp_hidden_act", "falcon": "activation", "gptj": "activation_function"}
+ACT_NAMES = {"nemotron_h": "mlp_hidden_act", "falcon": "activation", "gptj": "activation_function",
+             "gpt2": "activation_function", "gpt_bigcode": "activation_function"}
 """The config's name for its MLPs' activation where it is not ``hidden_act``."""
 """Model types whose norms are LayerNorms with biases (``centered_norms``, ``norm_bias``)."""
 
@@ -718,11 +723,14 @@ def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
     the residual and biases everywhere (the LM head's too), GPT-NeoX's parallel blocks with the
     MLP's own norm (``use_parallel_residual``) and ``attention_bias`` (q, k, v and o's; its
     MLP's always), Falcon's (:func:`_falcon_fields`), GPT-J's parallel blocks summed before the
-    residual (Phi's), its MLP of ``n_inner`` (else four times the hidden size) and LM head bias."""
+    residual (Phi's), its MLP of ``n_inner`` (else four times the hidden size) and LM head bias;
+    GPT-2's and GPTBigCode's (:func:`_gpt2_fields`)."""
     if model_type == "jais2":
         return {}
     if model_type == "falcon":
         return _falcon_fields(cfg)
+    if model_type in ("gpt2", "gpt_bigcode"):
+        return _gpt2_fields(cfg)
     if model_type == "gptj":
         return dict(intermediate_size=getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size, qkv_bias=False, o_bias=False,
                     mlp_bias=True, parallel_blocks=True, parallel_residual_last=True, lm_head_bias=True)
@@ -744,6 +752,22 @@ def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
     bias, parallel = bool(getattr(cfg, "attention_bias", True)), bool(getattr(cfg, "use_parallel_residual", True))
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=True, parallel_blocks=parallel, parallel_residual_last=parallel,
                 parallel_mlp_norm=parallel)
+
+
+def _gpt2_fields(cfg: Any) -> dict[str, Any]:
+    """GPT-2 and GPTBigCode (StarCoder 1, SantaCoder): learned positions (``n_positions`` of
+    them) instead of a rotary, biases everywhere, ungated MLPs of ``n_inner`` (else four times
+    the hidden size); GPTBigCode's multi-query attention (``multi_query``: its config's one
+    key-value head).
+    ``scale_attn_weights`` false: unscaled scores; GPT-2's scores scaled by their layer
+    (``scale_attn_by_inverse_layer_idx``) refused."""
+    if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
+        raise ModelError("scale_attn_by_inverse_layer_idx: scores scaled by their layer's index are not supported")
+    fields = dict(intermediate_size=getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size, qkv_bias=True, o_bias=True,
+                  mlp_bias=True, learned_positions=True, nope_layers=tuple(range(cfg.num_hidden_layers)))
+    if not getattr(cfg, "scale_attn_weights", True):
+        fields["query_scale"] = 1.0
+    return fields
 
 
 def _falcon_fields(cfg: Any) -> dict[str, Any]:
@@ -2001,6 +2025,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = _norm(spec, spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=spec.lm_head_bias)
+        self.embed_positions = nn.Embedding(spec.max_position, spec.hidden_size) if spec.learned_positions else None
         self.per_layer_embed = self.per_layer_projection = self.per_layer_norm = None
         if spec.per_layer_input_size:  # Gemma 4 E2B, E4B: every layer's embedding of a token in one row
             width = spec.num_layers * spec.per_layer_input_size
@@ -2092,6 +2117,8 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if (scale := self.embed_scale(x.dtype)) is not None:
             x = x * scale
+        if self.embed_positions is not None:  # GPT-2's: positions past the table are never admitted (context_length)
+            x = x + self.embed_positions(positions)
         rope_dtype = torch.float32 if self.spec.float_rotary else x.dtype
         rope = self.rotary.tables(positions, rope_dtype, x.dtype if self.spec.rounded_rotary_tables else None)
         local = self.local_rotary.tables(positions, rope_dtype) if self.local_rotary is not None else rope
@@ -2132,6 +2159,8 @@ class CausalLM(nn.Module):
         weights = WeightReader(state, ModelError, self, fp8=spec.fp8_block if spec.fp8_weights else False,
                                scales=scales)
         weights.copy(self.embed_tokens.weight, "embed_tokens.weight")
+        if self.embed_positions is not None:
+            weights.copy(self.embed_positions.weight, "embed_positions.weight")
         rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
 
         def reorder(value: torch.Tensor) -> torch.Tensor:
@@ -2243,7 +2272,9 @@ class CausalLM(nn.Module):
             if spec.head_gates:  # LFM3: a gate a head, its own projection's rows after q, k and v
                 qkv = torch.cat((qkv, weights.take(p + "self_attn.g_proj.weight")))
         weights.copy(attn.qkv_proj.weight, fused, qkv)
-        if spec.qkv_bias and weights.has(grouped + "bias"):
+        if spec.qkv_bias and weights.has(p + "self_attn.qkv_proj.bias"):  # GPT-2's and GPTBigCode's, fused as ours
+            weights.copy(attn.qkv_proj.bias, p + "self_attn.qkv_proj.bias", reorder(weights.take(p + "self_attn.qkv_proj.bias")))
+        elif spec.qkv_bias and weights.has(grouped + "bias"):
             weights.copy(attn.qkv_proj.bias, p + "qkv bias", self._gated(attn, _grouped_qkv(weights.take(grouped + "bias"), attn),
                                                                          reorder))
         elif spec.qkv_bias:

@@ -118,6 +118,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("stablelm-parallel", {"qk_layernorm": False}),
     ("phi", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
     ("gpt_neox", {"use_parallel_residual": False}),
+    ("olmo", {"clip_qkv": None}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
         "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -400,7 +401,8 @@ def test_what_the_c_step_lacks_runs_as_torch_operations(checkpoints, arch, fmt):
 
 def test_layer_normed_specs():
     """The LayerNorm families: each config's names for its epsilon, biases and MLP, the ungated
-    MLPs' activations (no other); Phi's query and key LayerNorms and Falcon's ALiBi refused."""
+    MLPs' activations (no other); OLMo 1's weightless norms and clamped projections; Phi's query
+    and key LayerNorms and Falcon's ALiBi refused."""
     from transformers import AutoConfig
 
     def spec(model_type, **changes):
@@ -449,6 +451,9 @@ def test_layer_normed_specs():
         spec("gpt2", scale_attn_by_inverse_layer_idx=True)
     assert spec("gpt_bigcode", n_embd=64, n_head=4).num_kv_heads == 1
     assert spec("gpt_bigcode", n_embd=64, n_head=4, multi_query=False).num_kv_heads == 4
+    s = spec("olmo", clip_qkv=8.0)
+    assert s.weightless_norms and s.centered_norms and not s.norm_bias and s.rms_norm_eps == 1e-5 and s.clip_qkv == 8.0
+    assert s.float_rotary and not s.ungated_mlp and spec("olmo").clip_qkv is None
     with pytest.raises(ModelError, match="alibi: Falcon's ALiBi position biases"):
         spec("falcon", alibi=True)
     with pytest.raises(ModelError, match="new_decoder_architecture with parallel_attn false"):

@@ -653,7 +653,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
 
 LAYER_NORMED_ARCHS = ("starcoder2", "nemotron", "stablelm", "stablelm-parallel", "phi", "gpt_neox", "gpt_neox-serial",
-                      "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj", "gpt2", "gpt_bigcode")
+                      "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj", "gpt2", "gpt_bigcode", "olmo")
 """The tiny checkpoints of the LayerNorm families (:func:`_layer_normed_config`)."""
 
 
@@ -670,8 +670,9 @@ def _layer_normed_config(arch: str, common: dict):
     11B: the same from one norm; serial: one block after the other; GPT-J: parallel blocks summed
     before the residual, adjacent rotary pairs on 8 of each head's 16 dimensions, ``gelu_new``, the
     LM head's bias; GPT-2: learned positions, Conv1D matrices, ``gelu_new``, tied; GPTBigCode
-    (StarCoder 1): the same with multi-query attention and the tanh GELU, untied."""
-    from transformers import FalconConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
+    (StarCoder 1): the same with multi-query attention and the tanh GELU, untied; OLMo 1: Llama with
+    LayerNorms of no weight nor bias, q, k and v clamped to within 1 (``clip_qkv``)."""
+    from transformers import FalconConfig, GPT2Config, OlmoConfig, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
 
     names = dict(layer_norm_eps=1e-5)
     if arch == "starcoder2":
@@ -696,6 +697,8 @@ def _layer_normed_config(arch: str, common: dict):
         if arch == "gpt2":
             return GPT2Config(**shape, activation_function="gelu_new", tie_word_embeddings=True)
         return GPTBigCodeConfig(**shape, activation_function="gelu_pytorch_tanh", multi_query=True, tie_word_embeddings=False)
+    if arch == "olmo":
+        return OlmoConfig(**common, clip_qkv=1.0, pad_token_id=0)
     if arch == "gptj":
         return GPTJConfig(vocab_size=common["vocab_size"], n_positions=512, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                           n_inner=128, activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=1,

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
 Apertus, Arcee, InternLM3, Helium, Gemma 1/2/3/4, VaultGemma, the LayerNorm families Jais 2, StarCoder2,
-Nemotron, StableLM 2, Phi-2, GPT-NeoX, GPT-J, Falcon, GPT-2 and GPTBigCode, and the mixtures of experts Mixtral,
+Nemotron, StableLM 2, Phi-2, GPT-NeoX, GPT-J, Falcon, GPT-2, GPTBigCode and OLMo 1, and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, Solar Open, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash, Mistral 4 and Youtu-LLM; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
@@ -140,7 +140,7 @@ class ModelSpec:
     input_norms: bool = True  # False: blocks take the residual as it is (OLMo 2/3, whose outputs are normalised)
     glm_norm_names: bool = False  # GLM-4 names its output norms post_self_attn_ / post_mlp_layernorm
     qk_norm_whole: bool = False  # OLMo 2/3, OLMoE: qk_norm spans each projection's heads together, not one head
-    float_rotary: bool = False  # OLMo 2/3: queries and keys rotate in float32, rounded once (tables not cast)
+    float_rotary: bool = False  # OLMo 1/2/3: queries and keys rotate in float32, rounded once (tables not cast)
     query_scale: float | None = None  # attention scores' scale (query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
     attn_softcap: float | None = None  # scores become cap * tanh(score / cap) before the softmax (Gemma 2)
     final_softcap: float | None = None  # the same on the logits
@@ -176,6 +176,10 @@ class ModelSpec:
     # Command R+'s query and key norms have a weight per head (qk_norm_per_head).
     centered_norms: bool = False
     norm_bias: bool = False  # Jais 2, StarCoder2, Nemotron, StableLM, Phi, GPT-NeoX: LayerNorms (centred) with a bias
+    # OLMo 1: its norms (LayerNorms) have neither weight nor bias; its q, k and v are clamped to
+    # within clip_qkv (None: not clamped).
+    weightless_norms: bool = False
+    clip_qkv: float | None = None
     # Nemotron (LayerNorm1P): its norms' weights are stored less one; one is added back in the
     # model's dtype as they load (transformers' weight + 1.0).
     norms_less_one: bool = False
@@ -278,7 +282,7 @@ class ModelSpec:
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
                  "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe", "jais2",
-                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode")
+                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode", "olmo")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -566,8 +570,10 @@ class ModelSpec:
         falcon = model_type == "falcon_h1"
         olmo = model_type in ("olmo2", "olmo3", "olmo_hybrid")  # OLMo Hybrid: its attention layers'
         exaone = model_type == "exaone4"  # OLMo 2's output norms (in the model's dtype), per-head q/k norms
-        if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option (its releases leave it off)
-            raise ModelError(f"clip_qkv {cfg.clip_qkv}: clamping queries, keys and values is not supported")
+        if getattr(cfg, "clip_qkv", None) is not None and model_type != "olmo":  # OLMoE's option, after its
+            # query and key norms (its releases leave it off); OLMo 1's clamps the projections (_layer_normed_fields)
+            raise ModelError(f"clip_qkv {cfg.clip_qkv}: clamping queries, keys and values is not supported "
+                             f"for model_type `{model_type}` (OLMo 1's is)")
         whole_qk_norms = olmo or model_type in ("olmoe", "minimax_m2")
         if whole_qk_norms and rotary_dim is not None and model_type != "minimax_m2":
             # transformers rotates OLMo's whole heads, whatever such a key says
@@ -614,7 +620,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_norm_eps=getattr(cfg, NORM_EPS.get(model_type, "rms_norm_eps")),
+            rms_norm_eps=eps if isinstance(eps := NORM_EPS.get(model_type, "rms_norm_eps"), float) else getattr(cfg, eps),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position=cfg.max_position_embeddings,
@@ -704,15 +710,18 @@ NORM_EPS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "jais2": "l
             "lfm2_moe": "norm_eps", "lfm3": "norm_eps", "nemotron_h": "layer_norm_epsilon", "starcoder2": "norm_epsilon",
             "nemotron": "norm_eps", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps", "gpt_neox": "layer_norm_eps",
             "falcon": "layer_norm_epsilon", "gptj": "layer_norm_epsilon", "gpt2": "layer_norm_epsilon",
-            "gpt_bigcode": "layer_norm_epsilon"}
-"""The config's name for its norms' epsilon where it is not ``rms_norm_eps``."""
+            "gpt_bigcode": "layer_norm_epsilon", "olmo": 1e-5}
+"""The config's name for its norms' epsilon where it is not ``rms_norm_eps``, or the epsilon
+where the config has none (OLMo 1's)."""
 
-LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode")
+LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode",
+                "olmo")
+"""Model types whose norms are LayerNorms (``centered_norms``), with biases (``norm_bias``) but
+OLMo's, which have neither weight nor bias."""
 
 ACT_NAMES = {"nemotron_h": "mlp_hidden_act", "falcon": "activation", "gptj": "activation_function",
              "gpt2": "activation_function", "gpt_bigcode": "activation_function"}
 """The config's name for its MLPs' activation where it is not ``hidden_act``."""
-"""Model types whose norms are LayerNorms with biases (``centered_norms``, ``norm_bias``)."""
 
 
 def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
@@ -727,6 +736,10 @@ def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
     GPT-2's and GPTBigCode's (:func:`_gpt2_fields`)."""
     if model_type == "jais2":
         return {}
+    if model_type == "olmo":  # OLMo 1: Llama with LayerNorms of no weight nor bias (NORM_EPS), clip_qkv
+        clip = getattr(cfg, "clip_qkv", None)
+        return dict(norm_bias=False, weightless_norms=True, clip_qkv=float(clip) if clip is not None else None,
+                    float_rotary=True)  # OLMo 2's rotary, float32 tables
     if model_type == "falcon":
         return _falcon_fields(cfg)
     if model_type in ("gpt2", "gpt_bigcode"):
@@ -1667,6 +1680,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:  # torch's LayerNorm, as transformers runs it (its variance rounds otherwise)
             return F.layer_norm(x, self.bias.shape, self.weight, self.bias, self.eps)
+        if self.centered and self.weight is None:  # OLMo 1's: torch's, in float32
+            return F.layer_norm(x.float(), x.shape[-1:], None, None, self.eps).to(x.dtype)
         dtype = x.dtype
         x = x.float()
         if self.centered:  # Cohere's LayerNorm (no bias): the deviation from the mean, normalised
@@ -1686,7 +1701,7 @@ class RMSNorm(nn.Module):
 def _norm(spec: ModelSpec, size: int | tuple[int, ...], bias: bool | None = None) -> RMSNorm:
     """One of the model's norms, in its family's arithmetic (``bias`` None: as its norms have)."""
     return RMSNorm(size, spec.rms_norm_eps, spec.offset_norms, spec.float_norms, spec.centered_norms,
-                   bias=spec.norm_bias if bias is None else bias)
+                   weighted=not spec.weightless_norms, bias=spec.norm_bias if bias is None else bias)
 
 
 class Attention(nn.Module):
@@ -1725,6 +1740,7 @@ class Attention(nn.Module):
         self.scaled_queries = spec.query_position_scaling is not None or (
             spec.nope_temperature is not None and not self.rotates)
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
+        self.clip_qkv = spec.clip_qkv
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -1734,6 +1750,8 @@ class Attention(nn.Module):
         model's dtype, Llama 4's in float32, the product rounded), or None."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.clip_qkv is not None:  # OLMo 1
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if not self.kv_size:  # Gemma 4's shared layers: the queries over an earlier layer's keys and values
             q = qkv.view(n, self.num_heads, self.head_dim)
             q = self.q_norm(q) if self.q_norm is not None else q
@@ -1981,8 +1999,10 @@ class DecoderLayer(nn.Module):
 
 
 def _load_norm(norm: RMSNorm, name: str, weights: WeightReader, less_one: bool = False) -> None:
-    """A norm's weight (``name.weight``; ``less_one``: stored less one, Nemotron's) and its bias
-    where it has one (the LayerNorms')."""
+    """A norm's weight (``name.weight``; ``less_one``: stored less one, Nemotron's; none for OLMo
+    1's) and its bias where it has one (the LayerNorms')."""
+    if norm.weight is None:
+        return
     weights.copy(norm.weight, name + ".weight", weights.take(name + ".weight").to(norm.weight.dtype) + 1 if less_one else None)
     if norm.bias is not None:
         weights.copy(norm.bias, name + ".bias")

@@ -454,6 +454,15 @@ def test_layer_normed_specs():
     s = spec("olmo", clip_qkv=8.0)
     assert s.weightless_norms and s.centered_norms and not s.norm_bias and s.rms_norm_eps == 1e-5 and s.clip_qkv == 8.0
     assert s.float_rotary and not s.ungated_mlp and spec("olmo").clip_qkv is None
+    s = spec("opt", hidden_size=64, num_attention_heads=4, ffn_dim=96, word_embed_proj_dim=64, enable_bias=False)
+    assert s.learned_positions and s.position_table_offset == 2 and s.activation == "relu" and s.intermediate_size == 96
+    assert not (s.qkv_bias or s.o_bias or s.mlp_bias) and s.rms_norm_eps == 1e-5 and s.ungated_mlp
+    for changes, message in (({"do_layer_norm_before": False}, "do_layer_norm_before false: norms after each block"),
+                             ({"word_embed_proj_dim": 32}, "word_embed_proj_dim 32: embeddings projected in and out"),
+                             ({"layer_norm_elementwise_affine": False}, "layer_norm_elementwise_affine false"),
+                             ({"_remove_final_layer_norm": True}, "_remove_final_layer_norm: no final norm")):
+        with pytest.raises(ModelError, match=message):
+            spec("opt", **{"hidden_size": 64, "num_attention_heads": 4, "word_embed_proj_dim": 64, **changes})
     with pytest.raises(ModelError, match="alibi: Falcon's ALiBi position biases"):
         spec("falcon", alibi=True)
     with pytest.raises(ModelError, match="new_decoder_architecture with parallel_attn false"):
@@ -486,22 +495,24 @@ def test_ungated_gelus_are_transformers_activations():
             assert torch.equal(mlp.to(dtype)(x.to(dtype)), ACT2FN[theirs](x.to(dtype))), (theirs, dtype)
 
 
-def test_gpt2_as_first_released(checkpoints, tmp_path):
+@pytest.mark.parametrize("arch,prefix", [("gpt2", "transformer."), ("opt", "model.")])
+def test_first_releases_names(checkpoints, tmp_path, arch, prefix):
     """GPT-2's first releases name their weights without ``transformer.`` and hold each layer's
-    causal mask (``h.N.attn.bias``, ``masked_bias``): the same model, logprobs for logprobs."""
+    causal mask (``h.N.attn.bias``, ``masked_bias``), OPT's without ``model.``: the same model,
+    logprobs for logprobs."""
     from safetensors.torch import load_file, save_file
 
-    folder = tmp_path / "gpt2-first"
-    shutil.copytree(checkpoints["gpt2"], folder)
+    folder = tmp_path / f"{arch}-first"
+    shutil.copytree(checkpoints[arch], folder)
     state = load_file(str(folder / "model.safetensors"))
-    assert any(k.startswith("transformer.h.") for k in state)
-    renamed = {k.removeprefix("transformer."): v for k, v in state.items()}
-    for layer in range(2):
+    assert sum(k.startswith(prefix) for k in state) > 10
+    renamed = {k.removeprefix(prefix): v for k, v in state.items()}
+    for layer in range(2 if arch == "gpt2" else 0):
         renamed[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(512, 512, dtype=torch.bool)).view(1, 1, 512, 512)
         renamed[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
     save_file(renamed, str(folder / "model.safetensors"), metadata={"format": "pt"})
     prompt, first = engine_prompt_logprobs(folder)
-    assert engine_prompt_logprobs(checkpoints["gpt2"]) == (prompt, first)
+    assert engine_prompt_logprobs(checkpoints[arch]) == (prompt, first)
 
 
 def test_apertus_specs_and_xielu():

@@ -653,7 +653,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
 
 LAYER_NORMED_ARCHS = ("starcoder2", "nemotron", "stablelm", "stablelm-parallel", "phi", "gpt_neox", "gpt_neox-serial",
-                      "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj", "gpt2", "gpt_bigcode", "olmo")
+                      "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj", "gpt2", "gpt_bigcode", "olmo", "opt")
 """The tiny checkpoints of the LayerNorm families (:func:`_layer_normed_config`)."""
 
 
@@ -671,8 +671,9 @@ def _layer_normed_config(arch: str, common: dict):
     before the residual, adjacent rotary pairs on 8 of each head's 16 dimensions, ``gelu_new``, the
     LM head's bias; GPT-2: learned positions, Conv1D matrices, ``gelu_new``, tied; GPTBigCode
     (StarCoder 1): the same with multi-query attention and the tanh GELU, untied; OLMo 1: Llama with
-    LayerNorms of no weight nor bias, q, k and v clamped to within 1 (``clip_qkv``)."""
-    from transformers import FalconConfig, GPT2Config, OlmoConfig, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
+    LayerNorms of no weight nor bias, q, k and v clamped to within 1 (``clip_qkv``); OPT: learned
+    positions from the table's third row, ReLU MLPs, biases everywhere, tied."""
+    from transformers import FalconConfig, GPT2Config, OlmoConfig, OPTConfig, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
 
     names = dict(layer_norm_eps=1e-5)
     if arch == "starcoder2":
@@ -697,6 +698,10 @@ def _layer_normed_config(arch: str, common: dict):
         if arch == "gpt2":
             return GPT2Config(**shape, activation_function="gelu_new", tie_word_embeddings=True)
         return GPTBigCodeConfig(**shape, activation_function="gelu_pytorch_tanh", multi_query=True, tie_word_embeddings=False)
+    if arch == "opt":
+        return OPTConfig(vocab_size=common["vocab_size"], hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                         num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
     if arch == "olmo":
         return OlmoConfig(**common, clip_qkv=1.0, pad_token_id=0)
     if arch == "gptj":

@@ -300,6 +300,9 @@ _RENAMED = {
     # GPT-2's and GPTBigCode's layers: q, k and v in one `c_attn` (as ours: all q rows, then k's, v's)
     "gpt2": _GPT2_NAMES,
     "gpt_bigcode": _GPT2_NAMES,
+    # OPT's layers: its norms (the MLP's `final_layer_norm`), o_proj and MLP
+    "opt": ((".self_attn_layer_norm.", ".input_layernorm."), (".final_layer_norm.", ".post_attention_layernorm."),
+            (".self_attn.out_proj.", ".self_attn.o_proj."), (".fc1.", ".mlp.up_proj."), (".fc2.", ".mlp.down_proj.")),
 }
 """Model types whose weights are read by the names a Llama checkpoint gives their counterparts:
 (theirs, ours) parts of a name."""
@@ -317,6 +320,9 @@ _MODEL_NAMES = {
     # GPT-2's and GPTBigCode's (GPT-2's first releases without the `transformer.`)
     "gpt2": _GPT2_MODEL,
     "gpt_bigcode": _GPT2_MODEL,
+    # OPT's decoder (its first releases without the `model.`), and its final norm
+    "opt": tuple((prefix + theirs, ours) for prefix in ("model.", "") for theirs, ours in (
+        ("decoder.final_layer_norm.", "model.norm."), ("decoder.", "model."))),
 }
 """Model types whose whole model is named otherwise (each a prefix of a weight's name), before
 _RENAMED renames within its layers."""

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
 Apertus, Arcee, InternLM3, Helium, Gemma 1/2/3/4, VaultGemma, the LayerNorm families Jais 2, StarCoder2,
-Nemotron, StableLM 2, Phi-2, GPT-NeoX, GPT-J, Falcon, GPT-2, GPTBigCode and OLMo 1, and the mixtures of experts Mixtral,
+Nemotron, StableLM 2, Phi-2, GPT-NeoX, GPT-J, Falcon, GPT-2, GPTBigCode, OPT and OLMo 1, and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, Solar Open, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash, Mistral 4 and Youtu-LLM; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
@@ -193,6 +193,7 @@ class ModelSpec:
     # GPT-2, GPTBigCode: a table of max_position learned position embeddings added to the tokens'
     # (every layer in nope_layers).
     learned_positions: bool = False
+    position_table_offset: int = 0  # OPT: the table's first rows, which no position reads (2)
     # Every MLP ungated, down(act(up(x))): Nemotron-H, Arcee, Jais 2 and Nemotron (squared ReLU),
     # StarCoder2, Phi and GPT-NeoX (GELU), Apertus (xIELU, XieluMLP).
     ungated_mlp: bool = False
@@ -282,7 +283,8 @@ class ModelSpec:
                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "bamba",
                  "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
                  "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe", "jais2",
-                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode", "olmo")
+                 "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode", "olmo",
+                 "opt")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -296,7 +298,8 @@ class ModelSpec:
     ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
     """The gated MLPs' activations: the config's name -> ours."""
     OWN_ACTIVATIONS = {"apertus": {"xielu": "xielu"}, **dict.fromkeys(("nemotron_h", "arcee", "jais2", "nemotron"), RELU2),
-                       **dict.fromkeys(("starcoder2", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode"), GELUS)}
+                       **dict.fromkeys(("starcoder2", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode"), GELUS),
+                       "opt": {"relu": "relu"}}
     """The model types whose MLPs are ungated, and the activations each may have (no other)."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
@@ -710,17 +713,17 @@ NORM_EPS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "jais2": "l
             "lfm2_moe": "norm_eps", "lfm3": "norm_eps", "nemotron_h": "layer_norm_epsilon", "starcoder2": "norm_epsilon",
             "nemotron": "norm_eps", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps", "gpt_neox": "layer_norm_eps",
             "falcon": "layer_norm_epsilon", "gptj": "layer_norm_epsilon", "gpt2": "layer_norm_epsilon",
-            "gpt_bigcode": "layer_norm_epsilon", "olmo": 1e-5}
+            "gpt_bigcode": "layer_norm_epsilon", "olmo": 1e-5, "opt": 1e-5}
 """The config's name for its norms' epsilon where it is not ``rms_norm_eps``, or the epsilon
 where the config has none (OLMo 1's)."""
 
 LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode",
-                "olmo")
+                "olmo", "opt")
 """Model types whose norms are LayerNorms (``centered_norms``), with biases (``norm_bias``) but
 OLMo's, which have neither weight nor bias."""
 
 ACT_NAMES = {"nemotron_h": "mlp_hidden_act", "falcon": "activation", "gptj": "activation_function",
-             "gpt2": "activation_function", "gpt_bigcode": "activation_function"}
+             "gpt2": "activation_function", "gpt_bigcode": "activation_function", "opt": "activation_function"}
 """The config's name for its MLPs' activation where it is not ``hidden_act``."""
 
 
@@ -744,6 +747,8 @@ def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
         return _falcon_fields(cfg)
     if model_type in ("gpt2", "gpt_bigcode"):
         return _gpt2_fields(cfg)
+    if model_type == "opt":
+        return _opt_fields(cfg)
     if model_type == "gptj":
         return dict(intermediate_size=getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size, qkv_bias=False, o_bias=False,
                     mlp_bias=True, parallel_blocks=True, parallel_residual_last=True, lm_head_bias=True)
@@ -781,6 +786,26 @@ def _gpt2_fields(cfg: Any) -> dict[str, Any]:
     if not getattr(cfg, "scale_attn_weights", True):
         fields["query_scale"] = 1.0
     return fields
+
+
+def _opt_fields(cfg: Any) -> dict[str, Any]:
+    """OPT (125M, 1.3B, 2.7B and up): GPT-2's learned positions (their table two rows longer:
+    position p reads row p + 2), ReLU MLPs of ``ffn_dim``, ``enable_bias`` on every projection.
+    OPT-350M's norms after each block (``do_layer_norm_before`` false) and embeddings of another
+    width (``word_embed_proj_dim``) are refused, as are norms without weights."""
+    refused = ((not getattr(cfg, "do_layer_norm_before", True), "do_layer_norm_before false: norms after each block "
+                "(OPT-350M's)"),
+               (getattr(cfg, "word_embed_proj_dim", cfg.hidden_size) != cfg.hidden_size, "word_embed_proj_dim "
+                f"{getattr(cfg, 'word_embed_proj_dim', None)}: embeddings projected in and out (OPT-350M's)"),
+               (not getattr(cfg, "layer_norm_elementwise_affine", True), "layer_norm_elementwise_affine false: norms "
+                "without weights"),
+               (getattr(cfg, "_remove_final_layer_norm", False), "_remove_final_layer_norm: no final norm"))
+    for wrong, what in refused:
+        if wrong:
+            raise ModelError(f"{what} is not supported")
+    bias = bool(getattr(cfg, "enable_bias", True))
+    return dict(intermediate_size=cfg.ffn_dim, qkv_bias=bias, o_bias=bias, mlp_bias=bias, learned_positions=True,
+                position_table_offset=2, nope_layers=tuple(range(cfg.num_hidden_layers)))
 
 
 def _falcon_fields(cfg: Any) -> dict[str, Any]:
@@ -1822,8 +1847,8 @@ class XieluMLP(nn.Module):
 
 class PlainMLP(nn.Module):
     """An ungated MLP, ``down(act(up(x)))``: squared ReLU (Nemotron-H's blocks and experts,
-    Arcee's, Jais 2's, Nemotron's) or a GELU (``activation``: StarCoder2's tanh form, Phi's
-    ``gelu_new``, GPT-NeoX's exact one)."""
+    Arcee's, Jais 2's, Nemotron's), a GELU (``activation``: StarCoder2's tanh form, Phi's
+    ``gelu_new``, GPT-NeoX's exact one) or a ReLU (OPT's)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "relu2") -> None:
         super().__init__()
@@ -1835,6 +1860,8 @@ class PlainMLP(nn.Module):
         h = self.up_proj(x)
         if self.activation == "relu2":
             h = torch.square(F.relu(h))
+        elif self.activation == "relu":
+            h = F.relu(h)
         elif self.activation == "gelu_new":  # step by step in the model's dtype, as transformers rounds it
             h = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
         else:
@@ -2180,7 +2207,8 @@ class CausalLM(nn.Module):
                                scales=scales)
         weights.copy(self.embed_tokens.weight, "embed_tokens.weight")
         if self.embed_positions is not None:
-            weights.copy(self.embed_positions.weight, "embed_positions.weight")
+            weights.copy(self.embed_positions.weight, "embed_positions.weight",
+                         weights.take("embed_positions.weight")[spec.position_table_offset:])
         rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
 
         def reorder(value: torch.Tensor) -> torch.Tensor:

@@ -264,10 +264,12 @@ def test_language_model_names_of_an_image_text_checkpoint():
         assert _language_model_weight(key) is None
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "starcoder2", "stablelm", "nemotron", "falcon", "gpt2"])
 def test_gemma_gguf_files_are_refused_before_converting(tmp_path, arch):
-    """transformers' GGUF reader drops Gemma 3's rope scaling and the 27Bs' query scale: such a
-    file is refused (naming the llamacpp backend, which runs it as it is) before any conversion."""
+    """transformers' GGUF reader drops Gemma 3's rope scaling and the 27Bs' query scale (and
+    StarCoder2's rope base and window, StableLM's and Nemotron's rotated share, Falcon 40B's
+    grouping): such a file is refused (naming the llamacpp backend, which runs it as it is)
+    before any conversion."""
     import gguf
 
     from backends.torch.loader import gguf_architecture, load_checkpoint

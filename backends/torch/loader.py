@@ -73,10 +73,17 @@ def gguf_folder(path: Path) -> Path:
         return _convert_gguf(path, folder)
 
 
-GGUF_REFUSED = ("gemma2", "gemma3")
-"""GGUF architectures transformers' reader converts wrongly: it keeps none of a Gemma 3's rope
-scaling (4B and up), nor the 27B models' query scale (llama.cpp derives both Gemmas' from the
-model's size); llama.cpp runs these files as they are (``backend = "llamacpp"``)."""
+GGUF_REFUSED = {
+    "gemma2": "Gemma's rope scaling and query scale", "gemma3": "Gemma's rope scaling and query scale",
+    "starcoder2": "StarCoder2's rope base and sliding window", "stablelm": "StableLM's rope base and rotated share",
+    "nemotron": "Nemotron's rotated share and norm epsilon", "falcon": "Falcon's key-value heads and layout",
+    "gpt2": "GPT-2's context length",
+}
+"""GGUF architectures transformers' reader converts without settings their files carry (its
+mapping has no key for them): a Gemma 3's rope scaling (4B and up), the 27B models' query scale
+(llama.cpp derives both Gemmas' from the model's size), StarCoder2's rope base and window,
+StableLM's and Nemotron's rotated share of each head, Falcon 40B's grouping; GPT-2's is
+unchecked. llama.cpp runs these files as they are (``backend = "llamacpp"``)."""
 
 
 def gguf_architecture(path: Path) -> str | None:
@@ -145,9 +152,8 @@ def _check_gguf_architecture(path: Path) -> None:
     arch = gguf_architecture(path)
     if arch in GGUF_REFUSED:
         raise ValueError(
-            f"{path}: a {arch} GGUF file, which transformers' reader converts without Gemma's rope scaling "
-            f"and query scale; serve its Hugging Face folder with the torch backend, or this file with "
-            f'backend = "llamacpp"'
+            f"{path}: a {arch} GGUF file, which transformers' reader converts without {GGUF_REFUSED[arch]}; "
+            f'serve its Hugging Face folder with the torch backend, or this file with backend = "llamacpp"'
         )
 
 

@@ -265,7 +265,7 @@ def test_language_model_names_of_an_image_text_checkpoint():
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "starcoder2", "stablelm", "nemotron", "falcon", "gpt2"])
-def test_gemma_gguf_files_are_refused_before_converting(tmp_path, arch):
+def test_gguf_files_the_reader_converts_wrongly_are_refused_before_converting(tmp_path, arch):
     """transformers' GGUF reader drops Gemma 3's rope scaling and the 27Bs' query scale (and
     StarCoder2's rope base and window, StableLM's and Nemotron's rotated share, Falcon 40B's
     grouping): such a file is refused (naming the llamacpp backend, which runs it as it is)

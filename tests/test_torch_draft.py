@@ -165,6 +165,31 @@ def test_a_draft_model_with_another_tokenizer_is_refused(models, tmp_path):
         small(target, speculative_config=draft_config(other))
 
 
+def test_a_draft_model_of_learned_positions_serves_only_the_context_they_reach(models, tmp_path):
+    """A GPT-2 draft whose table holds 256 positions: refused for the target's 512-token context
+    (naming the setting), and under max_model_len 256 it drafts without changing the output."""
+    from safetensors.torch import load_file, save_file
+
+    target = models[0]
+    gpt2 = tiny_checkpoint(tmp_path / "gpt2", "gpt2")
+    config = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**config, "n_positions": 256}))
+    state = load_file(str(gpt2 / "model.safetensors"))
+    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:256].clone()
+    save_file(state, str(gpt2 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="its learned positions end at 256, short of the model's context of 512 tokens; "
+                                         "set max_model_len to at most 256"):
+        small(target, speculative_config=draft_config(gpt2))
+    engine = small(target, max_model_len=256, speculative_config=draft_config(gpt2))
+    try:
+        prompt = random_prompts(5, (200,))[0]
+        assert run(generate(engine, prompt, 40))[0] == hf_greedy(target, prompt, 40)
+        drafted, _ = spec_stats(engine)
+        assert drafted > 0
+    finally:
+        run(engine.stop())
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"method": "draft_model", "num_speculative_tokens": 3}, 'method "draft_model" needs `model`'),
     ({"num_speculative_tokens": 3}, "`method` is required"),

@@ -85,6 +85,8 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     # bfloat16, where its own bfloat16 is 0.003 from its float32.
     if dtype == torch.bfloat16 and arch.endswith("_swa"):
         within = 0.02
+    if dtype == torch.bfloat16 and arch == "falcon-40b":  # its biases (none of the released rotary Falcons has
+        within = 0.01  # any) added to the rounded product, ours in it: 0.004 apart, its fused bias split shown in float32
     assert_prompt_logprobs_match_transformers(checkpoints[arch], dtype, within)
 
 
@@ -463,6 +465,11 @@ def test_layer_normed_specs():
                              ({"_remove_final_layer_norm": True}, "_remove_final_layer_norm: no final norm")):
         with pytest.raises(ModelError, match=message):
             spec("opt", **{"hidden_size": 64, "num_attention_heads": 4, "word_embed_proj_dim": 64, **changes})
+    assert spec("opt", hidden_size=64, num_attention_heads=4, word_embed_proj_dim=64,
+                activation_function="gelu").activation == "gelu"  # Galactica's
+    assert spec("gptj", n_embd=240, n_head=4, rotary_dim=18).rotary_dim == 18  # by number, not through 0.3
+    with pytest.raises(ModelError, match="num_kv_heads 2: Falcon's layers without new_decoder_architecture or multi_query"):
+        spec("falcon", hidden_size=64, num_attention_heads=4, num_kv_heads=2, multi_query=False)
     with pytest.raises(ModelError, match="alibi: Falcon's ALiBi position biases"):
         spec("falcon", alibi=True)
     with pytest.raises(ModelError, match="new_decoder_architecture with parallel_attn false"):

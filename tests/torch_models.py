@@ -653,7 +653,8 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
 
 LAYER_NORMED_ARCHS = ("starcoder2", "nemotron", "stablelm", "stablelm-parallel", "phi", "gpt_neox", "gpt_neox-serial",
-                      "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj", "gpt2", "gpt_bigcode", "olmo", "opt")
+                      "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj", "gpt2", "gpt_bigcode", "gpt_bigcode-mha",
+                      "olmo", "opt")
 """The tiny checkpoints of the LayerNorm families (:func:`_layer_normed_config`)."""
 
 
@@ -666,13 +667,15 @@ def _layer_normed_config(arch: str, common: dict):
     GELU (``gelu_new``), biases everywhere, the LM head's too; GPT-NeoX (Pythia): q, k and v in
     one matrix head by head, parallel blocks with a norm each, exact GELU; serial: one after the
     other; Falcon 7B: multi-query attention (q, k, v in one matrix), parallel blocks from one norm,
-    exact GELU, tied; 40B: grouped queries in one matrix group by group, a norm each; Falcon 2
+    exact GELU, tied; 40B: grouped queries in one matrix group by group, a norm each, biases; Falcon 2
     11B: the same from one norm; serial: one block after the other; GPT-J: parallel blocks summed
     before the residual, adjacent rotary pairs on 8 of each head's 16 dimensions, ``gelu_new``, the
     LM head's bias; GPT-2: learned positions, Conv1D matrices, ``gelu_new``, tied; GPTBigCode
-    (StarCoder 1): the same with multi-query attention and the tanh GELU, untied; OLMo 1: Llama with
-    LayerNorms of no weight nor bias, q, k and v clamped to within 1 (``clip_qkv``); OPT: learned
-    positions from the table's third row, ReLU MLPs, biases everywhere, tied."""
+    (StarCoder 1): the same with multi-query attention and the tanh GELU, untied; without it
+    (``-mha``: ``c_attn`` head by head) and with unscaled scores; OLMo 1: Llama with LayerNorms of
+    no weight nor bias, q, k and v clamped to within 1 (``clip_qkv``); OPT: learned positions from
+    the table's third row, ReLU MLPs, biases everywhere, tied, heads of 20 (a query scale no power
+    of two, which bfloat16 rounds where it is applied)."""
     from transformers import FalconConfig, GPT2Config, OlmoConfig, OPTConfig, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
 
     names = dict(layer_norm_eps=1e-5)
@@ -691,16 +694,19 @@ def _layer_normed_config(arch: str, common: dict):
         return FalconConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "intermediate_size")},
                             ffn_hidden_size=128, layer_norm_epsilon=1e-5, multi_query=not new, num_kv_heads=2 if new else None,
                             new_decoder_architecture=new, parallel_attn=arch != "falcon-serial",
-                            num_ln_in_parallel_attn=1 if arch == "falcon2" else None, bias=False, activation="gelu")
-    if arch in ("gpt2", "gpt_bigcode"):
+                            num_ln_in_parallel_attn=1 if arch == "falcon2" else None, bias=arch == "falcon-40b",
+                            activation="gelu")
+    if arch.startswith(("gpt2", "gpt_bigcode")):
         shape = dict(vocab_size=common["vocab_size"], n_positions=512, n_embd=64, n_layer=2, n_head=4, n_inner=128,
                      layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2)
         if arch == "gpt2":
             return GPT2Config(**shape, activation_function="gelu_new", tie_word_embeddings=True)
-        return GPTBigCodeConfig(**shape, activation_function="gelu_pytorch_tanh", multi_query=True, tie_word_embeddings=False)
+        mha = arch == "gpt_bigcode-mha"
+        return GPTBigCodeConfig(**shape, activation_function="gelu_pytorch_tanh", multi_query=not mha,
+                                scale_attn_weights=not mha, tie_word_embeddings=False)
     if arch == "opt":
-        return OPTConfig(vocab_size=common["vocab_size"], hidden_size=64, num_hidden_layers=2, ffn_dim=128,
-                         num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=1,
+        return OPTConfig(vocab_size=common["vocab_size"], hidden_size=80, num_hidden_layers=2, ffn_dim=128,
+                         num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=80, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
     if arch == "olmo":
         return OlmoConfig(**common, clip_qkv=1.0, pad_token_id=0)

@@ -100,8 +100,10 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
     as torch operations); None where it can."""
     if spec.latent is not None or spec.groups_by_best:
         return "latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, Youtu-LLM)"
-    if spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head:
-        return "mean-centred norms (Cohere's, the LayerNorms of Jais 2, StarCoder2, Nemotron, StableLM, Phi, GPT-NeoX) and parallel blocks"
+    if (spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head or spec.learned_positions or spec.lm_head_bias
+            or spec.clip_qkv is not None or spec.norms_less_one or spec.prescaled_queries):
+        return ("mean-centred norms (Cohere's, the LayerNorm families'), parallel blocks, learned positions, LM-head "
+                "biases and clamped or prescaled queries")
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
         return f"linear attention or Mamba layers ({STATE_MODELS})"
     if spec.ungated_mlp:

@@ -147,7 +147,9 @@ class TorchEngine:
             self.capabilities -= {"lora_adapters"}
         kv_dtype = options.kv_dtype or options.dtype
         per_block = KVCache.bytes_per_block(spec, options.block_size, kv_dtype)
-        draft = self._load_draft(checkpoint) if options.draft_model is not None else None
+        draft = None
+        if options.draft_model is not None:
+            draft = self._load_draft(checkpoint, min(options.max_model_len, spec.context_length))
         if draft is not None:  # its keys and values take a share of every block's budget
             per_block += KVCache.bytes_per_block(draft.spec, options.block_size, kv_dtype)
         num_blocks = max(1, (options.kv_cache_bytes - state_bytes) // per_block)
@@ -291,11 +293,16 @@ class TorchEngine:
             log.info("torch engine: linear-attention layers; decode steps run eagerly (no CUDA graphs)")
             options.decode_graphs = "off"
 
-    def _load_draft(self, checkpoint: Checkpoint) -> Checkpoint:
-        """The draft model's checkpoint; its tokenizer must be the model's (same vocabulary)."""
+    def _load_draft(self, checkpoint: Checkpoint, context: int) -> Checkpoint:
+        """The draft model's checkpoint; its tokenizer must be the model's (same vocabulary), and
+        learned positions (GPT-2's, OPT's) must reach the ``context`` the model serves."""
         from .loader import load_checkpoint
 
         draft = load_checkpoint(self.options.draft_model)
+        if draft.spec.learned_positions and draft.spec.context_length < context:
+            raise ValueError(f"speculative_config.model ({self.options.draft_model}): its learned positions end at "
+                             f"{draft.spec.context_length}, short of the model's context of {context} tokens; set "
+                             f"max_model_len to at most {draft.spec.context_length}")
         if draft.spec.recurrent:
             raise ValueError(f"speculative_config.model ({self.options.draft_model}): a draft model with "
                              "linear-attention layers is not supported")

@@ -227,6 +227,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
     weights = _safetensors_weights(path, rename)
     if model_type == "gpt2":  # its Conv1D layers hold their matrices [in, out]: as a Linear's, views
         weights.update({k: v.t() for k, v in weights.items() if v.dim() == 2 and k.startswith("model.layers.")})
+    if model_type == "gpt_bigcode" and not getattr(config, "multi_query", True):  # c_attn's rows head by head
+        weights = {k.replace(".self_attn.qkv_proj.", ".self_attn.query_key_value."): v for k, v in weights.items()}
     return Checkpoint(spec, weights, HFTokenizer(hf_tok, eos), template)
 
 

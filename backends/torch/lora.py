@@ -88,8 +88,8 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
     if spec.recurrent or spec.block_kinds:  # the same, and its attention's q_proj holds gates too
         raise fail(f"adapters of a model with linear-attention or Mamba layers ({STATE_MODELS}) are not supported")
     if spec.ungated_mlp:  # no gate_up_proj to add to
-        raise fail("adapters of a model with ungated MLPs (Apertus, Arcee, Jais 2, StarCoder2, Nemotron, Phi, GPT-NeoX) "
-                   "are not supported")
+        raise fail("adapters of a model with ungated MLPs (Apertus, Arcee, Jais 2, Nemotron, StarCoder2, Phi, GPT-NeoX, "
+                   "GPT-J, Falcon, GPT-2, GPTBigCode, OPT) are not supported")
     if spec.value_norms or spec.kv_sources:  # q, k and v sized layer by layer, some layers without k and v (their
         # own or at all); the shared layers compute fewer rows than a step's adapters select (CausalLM.wanted_rows_from)
         raise fail("adapters of Gemma 4 are not supported")

@@ -194,6 +194,10 @@ class ModelSpec:
     # (every layer in nope_layers).
     learned_positions: bool = False
     position_table_offset: int = 0  # OPT: the table's first rows, which no position reads (2)
+    # OPT: the queries times the attention scale as they leave their projection, rounded to the
+    # model's dtype there, the scores then unscaled (transformers' order: head sizes whose scale
+    # is no power of two, 80 and 128, round otherwise in bfloat16).
+    prescaled_queries: bool = False
     # Every MLP ungated, down(act(up(x))): Nemotron-H, Arcee, Jais 2 and Nemotron (squared ReLU),
     # StarCoder2, Phi and GPT-NeoX (GELU), Apertus (xIELU, XieluMLP).
     ungated_mlp: bool = False
@@ -299,7 +303,7 @@ class ModelSpec:
     """The gated MLPs' activations: the config's name -> ours."""
     OWN_ACTIVATIONS = {"apertus": {"xielu": "xielu"}, **dict.fromkeys(("nemotron_h", "arcee", "jais2", "nemotron"), RELU2),
                        **dict.fromkeys(("starcoder2", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode"), GELUS),
-                       "opt": {"relu": "relu"}}
+                       "opt": {"relu": "relu", **GELUS}}
     """The model types whose MLPs are ungated, and the activations each may have (no other)."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
@@ -535,6 +539,8 @@ class ModelSpec:
             raise ModelError(f"partial_rotary_factor {partial}: latent attention rotates qk_rope_head_dim's dimensions")
         if partial is not None and float(partial) != 1.0:
             rotary_dim = int(head_dim * float(partial))  # as transformers rounds it
+            if model_type == "gptj":  # given by number: no rounding through the factor
+                rotary_dim = cfg.rotary_dim
             if not 2 <= rotary_dim < head_dim or rotary_dim % 2:
                 raise ModelError(
                     f"partial_rotary_factor {partial} rotates {rotary_dim} of the {head_dim} dimensions of a head; "
@@ -789,8 +795,9 @@ def _gpt2_fields(cfg: Any) -> dict[str, Any]:
 
 
 def _opt_fields(cfg: Any) -> dict[str, Any]:
-    """OPT (125M, 1.3B, 2.7B and up): GPT-2's learned positions (their table two rows longer:
-    position p reads row p + 2), ReLU MLPs of ``ffn_dim``, ``enable_bias`` on every projection.
+    """OPT (125M, 1.3B, 2.7B and up; Galactica): GPT-2's learned positions (their table two rows
+    longer: position p reads row p + 2), ReLU (Galactica: GELU) MLPs of ``ffn_dim``, ``enable_bias``
+    on every projection, queries scaled as they leave their projection (``prescaled_queries``).
     OPT-350M's norms after each block (``do_layer_norm_before`` false) and embeddings of another
     width (``word_embed_proj_dim``) are refused, as are norms without weights."""
     refused = ((not getattr(cfg, "do_layer_norm_before", True), "do_layer_norm_before false: norms after each block "
@@ -805,7 +812,7 @@ def _opt_fields(cfg: Any) -> dict[str, Any]:
             raise ModelError(f"{what} is not supported")
     bias = bool(getattr(cfg, "enable_bias", True))
     return dict(intermediate_size=cfg.ffn_dim, qkv_bias=bias, o_bias=bias, mlp_bias=bias, learned_positions=True,
-                position_table_offset=2, nope_layers=tuple(range(cfg.num_hidden_layers)))
+                position_table_offset=2, nope_layers=tuple(range(cfg.num_hidden_layers)), prescaled_queries=True)
 
 
 def _falcon_fields(cfg: Any) -> dict[str, Any]:
@@ -820,6 +827,9 @@ def _falcon_fields(cfg: Any) -> dict[str, Any]:
     parallel = bool(getattr(cfg, "parallel_attn", True))
     if new and not parallel:  # transformers cannot run it either
         raise ModelError("new_decoder_architecture with parallel_attn false: Falcon's new layers are parallel")
+    if not new and not getattr(cfg, "multi_query", True) and cfg.num_key_value_heads != cfg.num_attention_heads:
+        raise ModelError(f"num_kv_heads {cfg.num_key_value_heads}: Falcon's layers without new_decoder_architecture or "
+                         f"multi_query have a key-value head for each of the {cfg.num_attention_heads} query heads")
     bias = bool(getattr(cfg, "bias", False))
     return dict(intermediate_size=cfg.ffn_hidden_size, qkv_bias=bias, o_bias=bias, mlp_bias=bias, parallel_blocks=parallel,
                 parallel_residual_last=parallel,
@@ -1746,7 +1756,9 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.scale = spec.attention_scale
+        # OPT's: the queries scaled as they leave their projection, the scores not again
+        self.query_prescale = spec.attention_scale if spec.prescaled_queries else None
+        self.scale = 1.0 if spec.prescaled_queries else spec.attention_scale
         self.softcap = spec.attn_softcap
         self.half = self.head_dim // 2
         self.sliding = spec.window_of(layer) is not None
@@ -1795,6 +1807,8 @@ class Attention(nn.Module):
         if self.norm_after_rotary and self.q_norm is not None:  # Hunyuan, Llama 4: the rotated heads normalised
             qk = self._head_norms(qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if self.query_prescale is not None:  # OPT (no rotary: the projection's output as it is)
+            q = q * self.query_prescale
         if q_scale is not None and self.scaled_queries:
             q = (q * q_scale).to(qk.dtype)
         v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(n, self.num_kv_heads, self.head_dim)

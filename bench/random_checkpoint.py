@@ -15,6 +15,7 @@ so the router serves the folder as it serves any chat model.
     .venv/bin/python bench/random_checkpoint.py --out /tmp/lfm2 --arch lfm2         # LFM2-350M's layers
     .venv/bin/python bench/random_checkpoint.py --out /tmp/lfm3 --arch lfm3         # LFM3-1.7B's, in bfloat16
     .venv/bin/python bench/random_checkpoint.py --out /tmp/e2b --arch gemma4_e      # Gemma 4 E2B's layers, half as wide
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/gpt2 --arch gpt2         # GPT-2 small's (124M) shape
     .venv/bin/python bench/engines.py --model /tmp/moe --skip llamacpp --levels 1,8,32
 """
 
@@ -62,7 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
     p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3", "gemma4_e", "qwen3_5_text", "lfm2",
-                                        "lfm3"],
+                                        "lfm3", "gpt2"],
                    default="qwen3_moe")
     p.add_argument("--hidden", type=int, default=1024, help="MoE: hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=12, help="MoE: decoder layers, every one sparse (default 12)")
@@ -108,6 +109,10 @@ def main() -> None:
         else:  # transformers' defaults are LFM3-1.7B's shape (LiquidAI/LFM3-1.7B)
             config = AutoConfig.for_model("lfm3", **lfm, pad_token_id=0)
             shape = "LFM3-1.7B's 24 layers of 2048: 13 short convolutions (7 taps), 5 sliding and 6 full attention"
+    elif args.arch == "gpt2":  # learned positions, LayerNorms, ungated GELU MLPs, biases everywhere
+        config = AutoConfig.for_model("gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=49152,
+                                      bos_token_id=1, eos_token_id=2)
+        shape = "GPT-2 small's 12 layers of 768"
     elif args.arch == "gemma4_e":
         config = AutoConfig.for_model("gemma4_text", **common, **GEMMA4_E2B_HALF)
         shape = "Gemma 4 E2B's 35 layers at half width, the last 20 shared"
@@ -121,7 +126,7 @@ def main() -> None:
         for name, param in model.named_parameters():
             if args.arch == "qwen3_5_text":
                 break  # transformers' own initialisation: offset norms at 0, the decays' A_log and dt_bias
-            if name.endswith("norm.weight"):  # a factor of 1 (Gemma's norms scale by 1 + weight)
+            if name.endswith(("norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):  # a factor of 1 (Gemma's norms scale by 1 + weight)
                 param.fill_(0.0 if args.arch == "gemma3" else 1.0)
             else:
                 param.normal_(0.0, 0.02)

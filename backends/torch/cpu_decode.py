@@ -95,19 +95,23 @@ def _eps(norm: torch.nn.Module | None) -> float:
     return norm.eps if norm is not None else 0.0
 
 
+GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
+UNGATED_ACTS = {"gelu_tanh": 2, "gelu_new": 2, "gelu": 3, "relu": 4, "relu2": 5}
+"""``rk_model.act`` for each activation, of a gated and of an ungated MLP (``gelu_new`` is the tanh
+form, in float32 the same)."""
+
+
 def c_step_refusal(spec: "ModelSpec") -> str | None:
     """Why the C step cannot run ``spec``'s model (the engine then runs the packed projections
     as torch operations); None where it can."""
     if spec.latent is not None or spec.groups_by_best:
         return "latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, Youtu-LLM)"
-    if (spec.centered_norms or spec.parallel_blocks or spec.qk_norm_per_head or spec.learned_positions or spec.lm_head_bias
-            or spec.clip_qkv is not None or spec.norms_less_one or spec.prescaled_queries):
-        return ("mean-centred norms (Cohere's, the LayerNorm families'), parallel blocks, learned positions, LM-head "
-                "biases and clamped or prescaled queries")
+    if spec.qk_norm_per_head:
+        return "query and key norms with a weight a head (Command R+'s, StableLM 2 12B's)"
     if spec.recurrent or spec.gated_attention or spec.block_kinds:
         return f"linear attention or Mamba layers ({STATE_MODELS})"
-    if spec.ungated_mlp:
-        return "ungated MLPs (Apertus's xIELU, Arcee's squared ReLU)"
+    if spec.activation == "xielu":
+        return "Apertus's xIELU"
     if spec.value_norms or spec.full_head_dim is not None or spec.layer_scalars:
         return "Gemma 4's value norms, layer scalars, heads of two sizes, per-layer embeddings and shared caches"
     if spec.chunked_windows or spec.weightless_qk_norm or spec.nope_temperature or spec.weights_on_input:
@@ -155,7 +159,10 @@ class CpuDecoder:
         self._keep_arrays: list[object] = []  # the experts' pointer arrays (ctypes)
         f32 = lambda t: _float_pointer(t, self._keep)  # noqa: E731
 
-        norm = lambda n: f32(n.scale()) if n is not None else None  # noqa: E731
+        # OLMo 1's norms (of the hidden size) have no weight: ones
+        norm = lambda n: (f32(n.scale() if n.weight is not None else torch.ones(spec.hidden_size))  # noqa: E731
+                          if n is not None else None)
+        bias = lambda n: f32(n.bias) if n is not None and n.bias is not None else None  # noqa: E731
         rope = f32(model.rotary.cos), f32(model.rotary.sin)
         local = (f32(model.local_rotary.cos), f32(model.local_rotary.sin)) if model.local_rotary is not None else rope
         layers = (RkLayer * spec.num_layers)()
@@ -167,13 +174,15 @@ class CpuDecoder:
             if isinstance(mlp, SparseMoE):
                 (gu, gu_b), (down, down_b), gu_kp, down_kp = (0, None), (0, None), 0, 0
                 moe = self._experts(mlp)
-            else:
-                (gu, gu_b), (down, down_b) = mlp.gate_up_proj.pointers, mlp.down_proj.pointers
-                gu_kp, down_kp, moe = mlp.gate_up_proj.padded_in_features, mlp.down_proj.padded_in_features, {}
+            else:  # an ungated MLP's up_proj where a gated one's gate_up_proj is
+                up = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.up_proj
+                (gu, gu_b), (down, down_b) = up.pointers, mlp.down_proj.pointers
+                gu_kp, down_kp, moe = up.padded_in_features, mlp.down_proj.padded_in_features, {}
             cos, sin = (local if attn.sliding else rope) if attn.rotates else (None, None)
             layers[i] = RkLayer(
                 ln1=norm(layer.input_layernorm), ln2=norm(layer.post_attention_layernorm),
                 eps1=_eps(layer.input_layernorm), eps2=_eps(layer.post_attention_layernorm),
+                ln1_bias=bias(layer.input_layernorm), ln2_bias=bias(layer.post_attention_layernorm),
                 qkv=qkv, o=o, gate_up=gu, down=down,
                 qkv_bias=qkv_b, o_bias=o_b, gate_up_bias=gu_b, down_bias=down_b,
                 qkv_kp=qkv_proj.padded_in_features, o_kp=o_proj.padded_in_features,
@@ -195,8 +204,10 @@ class CpuDecoder:
             scale=spec.attention_scale, final_eps=model.norm.eps, softcap=spec.attn_softcap or 0.0,
             residual_scale=spec.residual_scale or 1.0,
             q_scales=f32(model.query_scales) if model.query_scales is not None else None,
-            act=int(spec.activation == "gelu_tanh"), layers=layers, final_norm=norm(model.norm),
-            lm_head=head.pointers[0], lm_head_kp=head.padded_in_features,
+            act=(UNGATED_ACTS if spec.ungated_mlp else GATED_ACTS)[spec.activation], layers=layers,
+            final_norm=norm(model.norm), final_norm_bias=bias(model.norm), centered=int(spec.centered_norms),
+            lm_head=head.pointers[0], lm_head_bias=head.pointers[1], lm_head_kp=head.padded_in_features,
+            parallel=0 if not spec.parallel_blocks else 2 if spec.parallel_mlp_norm else 1, clip_qkv=spec.clip_qkv or 0.0,
             bits=linears[0].bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],
             head_gates=int(spec.head_gates),
         )
@@ -307,6 +318,8 @@ class CpuDecoder:
         x = self.model.embed_tokens.weight.index_select(0, torch.tensor(rows.ids, dtype=torch.long))  # the residual
         if (scale := self.model.embed_scale(x.dtype)) is not None:
             x.mul_(scale)
+        if self.model.embed_positions is not None:  # GPT-2's, OPT's learned positions
+            x += self.model.embed_positions.weight.index_select(0, pos_t)
         f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
         q = torch.empty(m, self._kp, dtype=torch.int16)
         dq, tmp = f32(m), f32(max(spec.hidden_size, spec.intermediate_size))

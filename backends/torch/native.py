@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 20
+ABI = 21
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -46,7 +46,7 @@ class RkLayer(ctypes.Structure):
     """``rk_layer``: one decoder layer's weights for ``rk_decode_step`` (pointers as integers)."""
 
     _fields_ = [
-        ("ln1", _P), ("ln2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+        ("ln1", _P), ("ln2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("ln1_bias", _P), ("ln2_bias", _P),
         ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
         ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P),
         ("qkv_kp", _I), ("o_kp", _I), ("gate_up_kp", _I), ("down_kp", _I),
@@ -85,6 +85,8 @@ class RkModel(ctypes.Structure):
         ("lm_head", _P), ("lm_head_kp", _I),
         ("bits", ctypes.c_int), ("lm_head_bits", ctypes.c_int), ("kv_kind", ctypes.c_int),
         ("lora", ctypes.POINTER(RkLora)), ("num_adapters", _I), ("head_gates", ctypes.c_int),
+        ("centered", ctypes.c_int), ("final_norm_bias", _P), ("lm_head_bias", _P), ("parallel", ctypes.c_int),
+        ("clip_qkv", ctypes.c_float),
     ]
 
 

@@ -52,7 +52,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 20; }
+int rk_abi(void) { return 21; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -161,6 +161,18 @@ static inline float rms_inv(const float *x, int64_t K, float eps) {
 static inline void rmsnorm_row(const float *r, int64_t K, const float *weight, float eps, float *out) {
     const float inv = rms_inv(r, K, eps);
     for (int64_t k = 0; k < K; k++) out[k] = weight[k] * (r[k] * inv);
+}
+
+/* One row's LayerNorm: out = (r - mean) rsqrt(variance + eps) weight + bias (bias NULL: none),
+ * the variance over the centred row, as torch's layer_norm computes it in float32. */
+static inline void layernorm_row(const float *r, int64_t K, const float *weight, const float *bias, float eps,
+                                 float *out) {
+    float mean = 0.f, var = 0.f;
+    for (int64_t k = 0; k < K; k++) mean += r[k];
+    mean /= (float)K;
+    for (int64_t k = 0; k < K; k++) var += (r[k] - mean) * (r[k] - mean);
+    const float inv = 1.f / sqrtf(var / (float)K + eps);
+    for (int64_t k = 0; k < K; k++) out[k] = (r[k] - mean) * inv * weight[k] + (bias ? bias[k] : 0.f);
 }
 
 /* RMSNorm (x * rms_inv, times the weight), then quantized as rk_quantize_rows. tmp: K floats of
@@ -1034,6 +1046,7 @@ typedef struct {
      * blocks' input norms (NULL: none, OLMo's) */
     const float *ln1, *ln2;
     float eps1, eps2;
+    const float *ln1_bias, *ln2_bias; /* the LayerNorms' (rk_model.centered); NULL: none */
     const uint8_t *qkv, *o, *gate_up, *down; /* packed weights */
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL: none */
     int64_t qkv_kp, o_kp, gate_up_kp, down_kp; /* padded input sizes */
@@ -1089,7 +1102,10 @@ typedef struct {
     float softcap; /* the attention scores' tanh cap (Gemma 2); 0: none */
     float residual_scale; /* Granite: each block's output times this before its residual add; 1: none */
     const float *q_scales; /* Ministral 3: [max positions] factors on the rotated queries; NULL: none */
-    int act; /* the gated MLP's activation: 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU) */
+    /* the MLP's activation: gated (gate_up [gate | up]) 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU);
+     * ungated (gate_up holds up alone, inter wide) 2 GELU's tanh form, 3 the exact GELU, 4 ReLU,
+     * 5 squared ReLU */
+    int act;
     const rk_layer *layers;
     const float *final_norm;
     const uint8_t *lm_head;
@@ -1100,6 +1116,15 @@ typedef struct {
     int64_t num_adapters; /* entries of lora: a row whose adapter is above it is left as the base model's */
     int head_gates; /* LFM3: a gate a query head after q, k and v in qkv's rows, each head's output times
                      * its sigmoid; 0: none */
+    /* The LayerNorm families (and Cohere): every norm a LayerNorm (centred; the layers' ln1_bias and
+     * ln2_bias and final_norm_bias, NULL: none); 0: RMSNorms */
+    int centered;
+    const float *final_norm_bias;
+    const float *lm_head_bias; /* Phi's, GPT-J's; NULL: none */
+    /* 0: the MLP after the attention; 1: both from the layer's input, the MLP reading the attention's
+     * normed input (Cohere, Phi, GPT-J, Falcon 7B), 2: its own norm ln2 of it (GPT-NeoX, Falcon 40B) */
+    int parallel;
+    float clip_qkv; /* OLMo 1: q, k and v clamped to within it as they leave their projection; 0: none */
 } rk_model;
 
 /* gpt-oss's experts' activation for rows [gate (I) | up (I)], quantized: the gate clamped to at most
@@ -1127,7 +1152,7 @@ static void expert_mlp(const rk_model *md, const rk_layer *l, const rk_expert *e
     if (l->clamp_limit > 0.f)
         clamped_swiglu_quantize(gu, M, I, 2 * I, l->clamp_alpha, l->clamp_limit, tmp, down_kp, q2, dq2);
     else
-        (md->act ? rk_gelu_tanh_mul_quantize : rk_silu_mul_quantize)(gu, M, I, 2 * I, tmp, down_kp, q2, dq2);
+        (md->act == 1 ? rk_gelu_tanh_mul_quantize : rk_silu_mul_quantize)(gu, M, I, 2 * I, tmp, down_kp, q2, dq2);
     rk_linear(q2, dq2, M, down_kp, ex->down, md->group, md->bits, ex->down_bias, md->hidden, out, md->hidden, 0, xsum);
 }
 
@@ -1323,13 +1348,38 @@ static void head_gates(const float *gate, int64_t M, int64_t gs, int64_t heads, 
         }
 }
 
-/* A block's input quantized, normalised first by ln (NULL: as it is, OLMo's blocks). */
-static void input_quantize(const float *x, int64_t M, int64_t H, const float *ln, float eps, float *tmp, int64_t Kp,
-                           int16_t *q, float *dq) {
-    if (ln)
+/* Rows x [M, H] quantized, normalised first by ln (NULL: as they are, OLMo 2's blocks): the
+ * model's RMSNorm, or its LayerNorm with bias (md->centered). */
+static void input_quantize(const rk_model *md, const float *x, int64_t M, int64_t H, const float *ln, const float *bias,
+                           float eps, float *tmp, int64_t Kp, int16_t *q, float *dq) {
+    if (ln && md->centered)
+        for (int64_t m = 0; m < M; m++) {
+            layernorm_row(x + m * H, H, ln, bias, eps, tmp);
+            dq[m] = quantize_row(tmp, H, Kp, q + m * Kp);
+        }
+    else if (ln)
         rk_rmsnorm_quantize(x, M, H, H, ln, eps, tmp, Kp, q, dq);
     else
         rk_quantize_rows(x, M, H, H, Kp, q, dq);
+}
+
+/* An ungated MLP's activation of rows h [M, I], quantized: act 2 GELU's tanh form, 3 the exact
+ * GELU, 4 ReLU, 5 squared ReLU (rk_model.act). tmp: I floats. */
+static void ungated_quantize(const float *h, int64_t M, int64_t I, int act, float *tmp, int64_t Kp, int16_t *q,
+                             float *dq) {
+    const float c = 0.7978845608028654f, r2 = 0.7071067811865476f;
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = h + m * I;
+        if (act == 2)
+            for (int64_t i = 0; i < I; i++) tmp[i] = 0.5f * g[i] * (1.f + tanhf(c * (g[i] + 0.044715f * g[i] * g[i] * g[i])));
+        else if (act == 3)
+            for (int64_t i = 0; i < I; i++) tmp[i] = 0.5f * g[i] * (1.f + erff(g[i] * r2));
+        else if (act == 4)
+            for (int64_t i = 0; i < I; i++) tmp[i] = g[i] > 0.f ? g[i] : 0.f;
+        else
+            for (int64_t i = 0; i < I; i++) tmp[i] = g[i] > 0.f ? g[i] * g[i] : 0.f;
+        dq[m] = quantize_row(tmp, I, Kp, q + m * Kp);
+    }
 }
 
 /* One engine step: decoding sequences and prompt chunks alike, a row per new token.
@@ -1361,18 +1411,29 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
      * here first. */
     const int sandwich = md->layers[0].attn_out_norm != NULL, scaled = md->residual_scale != 1.f;
     float *branch = sandwich || scaled ? malloc((size_t)(M * H) * sizeof(float)) : NULL;
-    if ((lora && !lx) || ((sandwich || scaled) && !branch)) {
+    /* Parallel blocks: the MLP's input, quantized before the attention adds to the residual. */
+    const int64_t mlp_kp = md->layers[0].gate_up_kp;
+    int16_t *pq = md->parallel ? malloc((size_t)(M * mlp_kp) * sizeof(int16_t)) : NULL;
+    float *pdq = md->parallel ? malloc((size_t)M * sizeof(float)) : NULL;
+    if ((lora && !lx) || ((sandwich || scaled) && !branch) || (md->parallel && (!pq || !pdq))) {
         free(scores);
         free(lx);
         free(branch);
+        free(pq);
+        free(pdq);
         return 0;
     }
+    const int ungated = md->act >= 2, up_size = ungated ? I : 2 * I;
     /* Where o_proj and down_proj write, and whether they add to it. */
     float *out = branch ? branch : x;
     const int add = !branch;
     for (int64_t i = 0; i < md->num_layers; i++) {
         const rk_layer *l = md->layers + i;
-        input_quantize(x, M, H, l->ln1, l->eps1, tmp, l->qkv_kp, q, dq);
+        input_quantize(md, x, M, H, l->ln1, l->ln1_bias, l->eps1, tmp, l->qkv_kp, q, dq);
+        if (md->parallel == 1) /* the same normed input as the attention's */
+            input_quantize(md, x, M, H, l->ln1, l->ln1_bias, l->eps1, tmp, mlp_kp, pq, pdq);
+        else if (md->parallel == 2) /* its own norm of the layer's input */
+            input_quantize(md, x, M, H, l->ln2, l->ln2_bias, l->eps2, tmp, mlp_kp, pq, pdq);
         if (l->conv_taps) { /* LFM2: a short convolution, then the MLP below (no adapters: lora.py refuses them) */
             rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, 3 * H, qkv, 3 * H, 0, xsum);
             short_conv(qkv, M, H, l, pos, slot, table, tw, tab_of, md->block_size, md->kv_kind, tmp, attn);
@@ -1382,6 +1443,8 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
             rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
             if (lora)
                 lora_add(md->lora, md->num_adapters, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
+            if (md->clip_qkv > 0.f) /* OLMo 1 */
+                for (int64_t j = 0; j < M * qkv_size; j++) qkv[j] = fminf(fmaxf(qkv[j], -md->clip_qkv), md->clip_qkv);
             if (l->q_norm && l->qk_norm_whole) { /* OLMo: the query and the key projections as one vector each */
                 head_norms(qkv, M, qkv_size, 1, 0, md->heads * D, l->q_norm, NULL, l->qk_eps);
                 head_norms(qkv + md->heads * D, M, qkv_size, 1, 0, md->kv_heads * D, l->k_norm, NULL, l->qk_eps);
@@ -1410,15 +1473,22 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
                 free(scores);
                 free(lx);
                 free(branch);
+                free(pq);
+                free(pdq);
                 return 0;
             }
             continue;
         }
-        input_quantize(x, M, H, l->ln2, l->eps2, tmp, l->gate_up_kp, q, dq);
-        rk_linear(q, dq, M, l->gate_up_kp, l->gate_up, md->group, md->bits,
-                  l->gate_up_bias, 2 * I, gate_up, 2 * I, 0, xsum);
-        if (lora) lora_add(md->lora, md->num_adapters, L, i, 2, row_adapter, q, dq, M, l->gate_up_kp, H, gate_up, 2 * I, lx);
-        (md->act ? rk_gelu_tanh_mul_quantize : rk_silu_mul_quantize)(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
+        const int16_t *mq = md->parallel ? pq : q;
+        const float *mdq = md->parallel ? pdq : dq;
+        if (!md->parallel) input_quantize(md, x, M, H, l->ln2, l->ln2_bias, l->eps2, tmp, l->gate_up_kp, q, dq);
+        rk_linear(mq, mdq, M, l->gate_up_kp, l->gate_up, md->group, md->bits, l->gate_up_bias, up_size, gate_up, up_size,
+                  0, xsum);
+        if (lora) lora_add(md->lora, md->num_adapters, L, i, 2, row_adapter, mq, mdq, M, l->gate_up_kp, H, gate_up, up_size, lx);
+        if (ungated)
+            ungated_quantize(gate_up, M, I, md->act, tmp, l->down_kp, q, dq);
+        else
+            (md->act ? rk_gelu_tanh_mul_quantize : rk_silu_mul_quantize)(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
         rk_linear(q, dq, M, l->down_kp, l->down, md->group, md->bits, l->down_bias, H, out, H, add, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 3, row_adapter, q, dq, M, l->down_kp, I, out, H, lx);
         if (sandwich) rmsnorm_add(branch, M, H, l->mlp_out_norm, l->out_eps, x);
@@ -1427,11 +1497,13 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
     free(scores);
     free(lx);
     free(branch);
+    free(pq);
+    free(pdq);
     for (int64_t s = 0; s < S; s++) /* out_rows[s] >= s (ascending): no source is overwritten before it is read */
         if (out_rows[s] != s) memcpy(x + s * H, x + out_rows[s] * H, (size_t)H * sizeof(float));
     if (S == 0) return 1;
-    rk_rmsnorm_quantize(x, S, H, H, md->final_norm, md->final_eps, tmp, md->lm_head_kp, q, dq);
-    rk_linear(q, dq, S, md->lm_head_kp, md->lm_head, md->group, md->lm_head_bits, NULL, md->vocab, logits, md->vocab, 0,
-              xsum);
+    input_quantize(md, x, S, H, md->final_norm, md->final_norm_bias, md->final_eps, tmp, md->lm_head_kp, q, dq);
+    rk_linear(q, dq, S, md->lm_head_kp, md->lm_head, md->group, md->lm_head_bits, md->lm_head_bias, md->vocab, logits,
+              md->vocab, 0, xsum);
     return 1;
 }

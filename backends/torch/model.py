@@ -175,7 +175,7 @@ class ModelSpec:
     # logit_scale; queries and keys rotate in float32 from tables rounded to the model's dtype;
     # Command R+'s query and key norms have a weight per head (qk_norm_per_head).
     centered_norms: bool = False
-    norm_bias: bool = False  # Jais 2, StarCoder2, Nemotron, StableLM, Phi, GPT-NeoX: LayerNorms (centred) with a bias
+    norm_bias: bool = False  # the LayerNorm families (LAYER_NORMED) but OLMo 1: LayerNorms (centred) with a bias
     # OLMo 1: its norms (LayerNorms) have neither weight nor bias; its q, k and v are clamped to
     # within clip_qkv (None: not clamped).
     weightless_norms: bool = False
@@ -184,13 +184,13 @@ class ModelSpec:
     # model's dtype as they load (transformers' weight + 1.0).
     norms_less_one: bool = False
     parallel_blocks: bool = False
-    # Phi and GPT-NeoX: the parallel blocks' outputs are summed first, then added to the residual
+    # Phi, GPT-J, GPT-NeoX, Falcon: the parallel blocks' outputs are summed first, then added to the residual
     # (Cohere's and StableLM's join it one after the other); GPT-NeoX's MLP reads a norm of its
     # own (post_attention_layernorm) of the same input.
     parallel_residual_last: bool = False
     parallel_mlp_norm: bool = False
-    lm_head_bias: bool = False  # Phi: the LM head has a bias
-    # GPT-2, GPTBigCode: a table of max_position learned position embeddings added to the tokens'
+    lm_head_bias: bool = False  # Phi, GPT-J: the LM head has a bias
+    # GPT-2, GPTBigCode, OPT: a table of max_position learned position embeddings added to the tokens'
     # (every layer in nope_layers).
     learned_positions: bool = False
     position_table_offset: int = 0  # OPT: the table's first rows, which no position reads (2)
@@ -199,7 +199,8 @@ class ModelSpec:
     # is no power of two, 80 and 128, round otherwise in bfloat16).
     prescaled_queries: bool = False
     # Every MLP ungated, down(act(up(x))): Nemotron-H, Arcee, Jais 2 and Nemotron (squared ReLU),
-    # StarCoder2, Phi and GPT-NeoX (GELU), Apertus (xIELU, XieluMLP).
+    # StarCoder2, Phi, GPT-NeoX, GPT-J, Falcon, GPT-2 and GPTBigCode (GELU), OPT (ReLU), Apertus
+    # (xIELU, XieluMLP).
     ungated_mlp: bool = False
     logit_scale: float | None = None
     rounded_rotary_tables: bool = False
@@ -527,7 +528,7 @@ class ModelSpec:
             local = {"rope_theta": theta}
         local_scaling = _rope_scaling(local, cfg) if local is not None else None
         partial = (scaling or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
-        if model_type == "gptj" and getattr(cfg, "rotary_dim", None):  # its rotated dimensions by number
+        if model_type == "gptj" and getattr(cfg, "rotary_dim", None):  # its rotated dimensions by number (below)
             partial = cfg.rotary_dim / head_dim
         if model_type == "mistral4" and latent is not None and partial is not None and math.isclose(
                 float(partial), latent.rope / (latent.rope + latent.nope)):
@@ -538,9 +539,8 @@ class ModelSpec:
         if partial is not None and float(partial) != 1.0 and latent is not None:
             raise ModelError(f"partial_rotary_factor {partial}: latent attention rotates qk_rope_head_dim's dimensions")
         if partial is not None and float(partial) != 1.0:
-            rotary_dim = int(head_dim * float(partial))  # as transformers rounds it
-            if model_type == "gptj":  # given by number: no rounding through the factor
-                rotary_dim = cfg.rotary_dim
+            # as transformers rounds it; GPT-J's as its config gives it
+            rotary_dim = cfg.rotary_dim if model_type == "gptj" else int(head_dim * float(partial))
             if not 2 <= rotary_dim < head_dim or rotary_dim % 2:
                 raise ModelError(
                     f"partial_rotary_factor {partial} rotates {rotary_dim} of the {head_dim} dimensions of a head; "
@@ -1699,8 +1699,8 @@ class RMSNorm(nn.Module):
     model's dtype, then scaled), with ``float_scale`` gpt-oss's (scaled in float32, rounded once),
     or with ``offset`` Gemma's (scaled by ``1 + weight`` in float32, rounded once); ``weighted``
     False: no weight (Gemma 4's value norms and router input), normalised in float32, rounded once;
-    ``centered`` and ``bias``: torch's LayerNorm (Jais 2's, StarCoder2's, Nemotron's, StableLM's,
-    Phi's, GPT-NeoX's)."""
+    ``centered`` and ``bias``: torch's LayerNorm (the LayerNorm families'); ``centered`` without a
+    weight: torch's, in float32 (OLMo 1's)."""
 
     def __init__(self, size: int | tuple[int, ...], eps: float, offset: bool = False, float_scale: bool = False,
                  centered: bool = False, weighted: bool = True, bias: bool = False) -> None:
@@ -2018,7 +2018,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(normed, rope, meta, q_scale)
         if self.mamba is not None:  # Falcon-H1: both mixers from the same input, summed
             h = self.mamba(normed, rope, meta) + h
-        if self.parallel:  # Cohere: both blocks from the same input, both added to it
+        if self.parallel:  # Cohere, Phi, GPT-J, GPT-NeoX, Falcon: both blocks from the same input, both added to it
             m = self.mlp(normed if self.post_attention_layernorm is None else self.post_attention_layernorm(x))
             return h + m + x if self.residual_last else x + h + m
         x = x + self._branch(h, self.attn_out_norm)

@@ -411,6 +411,26 @@ def test_what_the_c_step_lacks_runs_as_torch_operations(checkpoints, arch, fmt):
     assert packed_torch_path_distance(checkpoints[arch], fmt) < (0.05 if fmt == "int8" else 0.3)
 
 
+def test_the_c_step_refuses_combinations_it_has_no_arithmetic_for():
+    """The C step's experts, query and key norms and output norms are RMSNorms, and its parallel
+    blocks neither normalise nor scale their outputs: a spec with one of those beside LayerNorms
+    or parallel blocks (no released model has one) runs as torch operations."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from backends.torch.cpu_decode import c_step_refusal
+
+    phi = ModelSpec.from_hf_config(AutoConfig.for_model("phi", vocab_size=100))
+    starcoder2 = ModelSpec.from_hf_config(AutoConfig.for_model("starcoder2", vocab_size=100))
+    granite = ModelSpec.from_hf_config(_config("granite", residual_multiplier=0.5))
+    assert c_step_refusal(phi) is None and c_step_refusal(starcoder2) is None and c_step_refusal(granite) is None
+    for spec in (replace(phi, num_experts=4, experts_per_token=2), replace(starcoder2, qk_norm=True),
+                 replace(starcoder2, sandwich_norms=True), replace(granite, parallel_blocks=True),
+                 replace(starcoder2, num_experts=4, experts_per_token=2)):
+        assert c_step_refusal(spec).startswith("LayerNorms with experts, query and key norms or output norms")
+
+
 def test_layer_normed_specs():
     """The LayerNorm families: each config's names for its epsilon, biases and MLP, the ungated
     MLPs' activations (no other); OLMo 1's weightless norms and clamped projections; Phi's query

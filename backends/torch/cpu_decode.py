@@ -5,18 +5,21 @@ as torch operations spends as long again dispatching some 3,000 small ones (norm
 cache gather, attention, residual adds), and even one Python call per kernel (270 a step) cost
 3 ms. ``rk_decode_step`` runs the whole model over a step's rows, one per new token; per layer:
 
-    RMSNorm (none for OLMo) + quantize -> qkv -> (Qwen3's and Gemma 3's head norms; OLMo's over
+    RMSNorm (none for OLMo 2; the LayerNorm families' and Cohere's LayerNorms) + quantize -> qkv
+    (OLMo 1's clamped) -> (Qwen3's and Gemma 3's head norms; OLMo's over
     whole projections; Hunyuan's after the rotary) -> rotary (none on SmolLM3's NoPE layers; Ministral 3's query scale) +
     cache write + attention (within the layer's window, if any; Gemma 2's capped scores) ->
     quantize -> o_proj (added to the residual; Gemma 2/3, GLM-4, OLMo: normalised first;
     Granite: scaled) -> RMSNorm + quantize -> gate_up -> SiLU (GELU for Gemma) * up + quantize
-    -> down_proj (added, the same way)
+    (ungated MLPs: up -> GELU, ReLU or squared ReLU + quantize) -> down_proj (added, the same
+    way; parallel blocks: the MLP's input normed and quantized before the attention adds)
 
 (a mixture of experts' layer: ``moe_block`` in the MLP's place; gpt-oss's sinks in the attention;
 LFM3's gates, one a head, on the attention's output;
 LFM2's short convolution, ``short_conv`` between its in_proj and out_proj, in the attention's place)
 
-and the final norm and LM head for the rows that sample. Gemma's and Granite's embedding factors,
+and the final norm and LM head (its bias: Phi's, GPT-J's) for the rows that sample. GPT-2's and
+OPT's learned positions are added to the embeddings before the call; Gemma's and Granite's embedding factors,
 Gemma 2's logit cap and Granite's logit divisor are applied here, around the call; Gemma's
 ``1 + weight`` norms reach C as their float32 factors.
 The model's weights are described to C once (:class:`RkModel`); a step passes only its tokens'
@@ -116,6 +119,12 @@ def c_step_refusal(spec: "ModelSpec") -> str | None:
         return "Gemma 4's value norms, layer scalars, heads of two sizes, per-layer embeddings and shared caches"
     if spec.chunked_windows or spec.weightless_qk_norm or spec.nope_temperature or spec.weights_on_input:
         return "Llama 4's chunked attention, weightless query and key norms, NoPE temperature and experts weighted on their input"
+    # No model has these together; the C step's experts, query and key norms and output norms are
+    # RMSNorms, and its parallel blocks neither normalise nor scale their outputs.
+    if (spec.centered_norms and (spec.is_moe or spec.qk_norm or spec.sandwich_norms)) or (
+            spec.parallel_blocks and (spec.is_moe or spec.sandwich_norms or spec.residual_scale is not None)):
+        return ("LayerNorms with experts, query and key norms or output norms, and parallel blocks with experts, "
+                "output norms or scaled outputs")
     return None
 
 
@@ -211,6 +220,8 @@ class CpuDecoder:
             bits=linears[0].bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],
             head_gates=int(spec.head_gates),
         )
+        if spec.parallel_blocks and len({layer.gate_up_kp for layer in layers}) != 1:  # C's scratch of one width
+            raise ValueError("CpuDecoder needs every parallel block's MLP input of one width")
         if any(lin.group != self._plan.group for lin in linears):
             raise ValueError("CpuDecoder needs one group size for every projection")
         if any(lin.bits != self._plan.bits for lin in linears if lin is not head):

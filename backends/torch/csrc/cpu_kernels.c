@@ -1363,22 +1363,32 @@ static void input_quantize(const rk_model *md, const float *x, int64_t M, int64_
         rk_quantize_rows(x, M, H, H, Kp, q, dq);
 }
 
-/* An ungated MLP's activation of rows h [M, I], quantized: act 2 GELU's tanh form, 3 the exact
- * GELU, 4 ReLU, 5 squared ReLU (rk_model.act). tmp: I floats. */
-static void ungated_quantize(const float *h, int64_t M, int64_t I, int act, float *tmp, int64_t Kp, int16_t *q,
-                             float *dq) {
-    const float c = 0.7978845608028654f, r2 = 0.7071067811865476f;
+/* An ungated MLP's activation of rows h [M, I], in place, then quantized: act 2 GELU's tanh form
+ * (as g / (1 + e^(-2u)), gated_mul_quantize's identity), 3 the exact GELU, 4 ReLU, 5 squared ReLU
+ * (rk_model.act). Rows split across threads. */
+static void ungated_quantize(float *h, int64_t M, int64_t I, int act, int64_t Kp, int16_t *q, float *dq) {
+    const float c = 0.7978845608028654f, c3 = 0.7978845608028654f * 0.044715f, r2 = 0.7071067811865476f;
+#pragma omp parallel for schedule(static) if (M * I >= 16384)
     for (int64_t m = 0; m < M; m++) {
-        const float *g = h + m * I;
-        if (act == 2)
-            for (int64_t i = 0; i < I; i++) tmp[i] = 0.5f * g[i] * (1.f + tanhf(c * (g[i] + 0.044715f * g[i] * g[i] * g[i])));
-        else if (act == 3)
-            for (int64_t i = 0; i < I; i++) tmp[i] = 0.5f * g[i] * (1.f + erff(g[i] * r2));
+        float *g = h + m * I;
+        int64_t i = 0;
+        if (act == 2) {
+#ifdef RK_AVX2
+            const __m256 one = _mm256_set1_ps(1.f), m2c = _mm256_set1_ps(-2.f * c), m2c3 = _mm256_set1_ps(-2.f * c3);
+            for (; i + 8 <= I; i += 8) {
+                const __m256 gv = _mm256_loadu_ps(g + i);
+                const __m256 arg = _mm256_mul_ps(gv, _mm256_add_ps(m2c, _mm256_mul_ps(m2c3, _mm256_mul_ps(gv, gv))));
+                _mm256_storeu_ps(g + i, _mm256_div_ps(gv, _mm256_add_ps(one, exp8(arg))));
+            }
+#endif
+            for (; i < I; i++) g[i] = g[i] / (1.f + expf(g[i] * (-2.f * c + -2.f * c3 * (g[i] * g[i]))));
+        } else if (act == 3)
+            for (; i < I; i++) g[i] = 0.5f * g[i] * (1.f + erff(g[i] * r2));
         else if (act == 4)
-            for (int64_t i = 0; i < I; i++) tmp[i] = g[i] > 0.f ? g[i] : 0.f;
+            for (; i < I; i++) g[i] = g[i] > 0.f ? g[i] : 0.f;
         else
-            for (int64_t i = 0; i < I; i++) tmp[i] = g[i] > 0.f ? g[i] * g[i] : 0.f;
-        dq[m] = quantize_row(tmp, I, Kp, q + m * Kp);
+            for (; i < I; i++) g[i] = g[i] > 0.f ? g[i] * g[i] : 0.f;
+        dq[m] = quantize_row(g, I, Kp, q + m * Kp);
     }
 }
 
@@ -1390,9 +1400,11 @@ static void ungated_quantize(const float *h, int64_t M, int64_t I, int act, floa
  * last row of a prompt's final chunk; the rows of other chunks only fill the cache. Scratch:
  * q [M, max kp] int16, dq [M], tmp [max(hidden, inter)], qkv, attn, gate_up (one row each per
  * token; with LFM2's convolutions qkv's rows at least 3 hidden, attn's at least hidden),
- * xsum [M max kp / group]. row_adapter [M]: each row's LoRA adapter (0: none), or NULL when
- * no row has one. Out: logits [S, vocab]. Returns 0 when the attention's, the adapters',
- * the output norms' or a mixture of experts' scratch cannot be allocated: the step is then void
+ * xsum [M max kp / group] (an ungated MLP's activation is computed in gate_up's rows; parallel
+ * blocks allocate their MLP input's quantized rows here). row_adapter [M]: each row's LoRA adapter
+ * (0: none), or NULL when no row has one. Out: logits [S, vocab]. Returns 0 when the attention's,
+ * the adapters', the output norms', the parallel blocks' or a mixture of experts' scratch cannot
+ * be allocated: the step is then void
  * (layers before a mixture of experts may have written their keys and values, which running the
  * step again writes again). */
 int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, const int64_t *slot,
@@ -1443,8 +1455,10 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
             rk_linear(q, dq, M, l->qkv_kp, l->qkv, md->group, md->bits, l->qkv_bias, qkv_size, qkv, qkv_size, 0, xsum);
             if (lora)
                 lora_add(md->lora, md->num_adapters, L, i, 0, row_adapter, q, dq, M, l->qkv_kp, H, qkv, qkv_size, lx);
-            if (md->clip_qkv > 0.f) /* OLMo 1 */
-                for (int64_t j = 0; j < M * qkv_size; j++) qkv[j] = fminf(fmaxf(qkv[j], -md->clip_qkv), md->clip_qkv);
+            if (md->clip_qkv > 0.f) { /* OLMo 1 (NaN kept, as torch's clamp keeps it) */
+                const float lim = md->clip_qkv;
+                for (int64_t j = 0; j < M * qkv_size; j++) qkv[j] = qkv[j] > lim ? lim : qkv[j] < -lim ? -lim : qkv[j];
+            }
             if (l->q_norm && l->qk_norm_whole) { /* OLMo: the query and the key projections as one vector each */
                 head_norms(qkv, M, qkv_size, 1, 0, md->heads * D, l->q_norm, NULL, l->qk_eps);
                 head_norms(qkv + md->heads * D, M, qkv_size, 1, 0, md->kv_heads * D, l->k_norm, NULL, l->qk_eps);
@@ -1486,7 +1500,7 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
                   0, xsum);
         if (lora) lora_add(md->lora, md->num_adapters, L, i, 2, row_adapter, mq, mdq, M, l->gate_up_kp, H, gate_up, up_size, lx);
         if (ungated)
-            ungated_quantize(gate_up, M, I, md->act, tmp, l->down_kp, q, dq);
+            ungated_quantize(gate_up, M, I, md->act, l->down_kp, q, dq);
         else
             (md->act ? rk_gelu_tanh_mul_quantize : rk_silu_mul_quantize)(gate_up, M, I, 2 * I, tmp, l->down_kp, q, dq);
         rk_linear(q, dq, M, l->down_kp, l->down, md->group, md->bits, l->down_bias, H, out, H, add, xsum);

@@ -16,6 +16,7 @@ so the router serves the folder as it serves any chat model.
     .venv/bin/python bench/random_checkpoint.py --out /tmp/lfm3 --arch lfm3         # LFM3-1.7B's, in bfloat16
     .venv/bin/python bench/random_checkpoint.py --out /tmp/e2b --arch gemma4_e      # Gemma 4 E2B's layers, half as wide
     .venv/bin/python bench/random_checkpoint.py --out /tmp/gpt2 --arch gpt2         # GPT-2 small's (124M) shape
+    .venv/bin/python bench/random_checkpoint.py --out /tmp/bloom --arch bloom       # BLOOM-560M's layers (ALiBi)
     .venv/bin/python bench/engines.py --model /tmp/moe --skip llamacpp --levels 1,8,32
 """
 
@@ -63,7 +64,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
     p.add_argument("--arch", choices=["qwen3_moe", "mixtral", "gpt_oss", "gemma3", "gemma4_e", "qwen3_5_text", "lfm2",
-                                        "lfm3", "gpt2"],
+                                        "lfm3", "gpt2", "bloom"],
                    default="qwen3_moe")
     p.add_argument("--hidden", type=int, default=1024, help="MoE: hidden size (default 1024)")
     p.add_argument("--layers", type=int, default=12, help="MoE: decoder layers, every one sparse (default 12)")
@@ -113,6 +114,10 @@ def main() -> None:
         config = AutoConfig.for_model("gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=49152,
                                       bos_token_id=1, eos_token_id=2)
         shape = "GPT-2 small's 12 layers of 768"
+    elif args.arch == "bloom":  # ALiBi, its embeddings normed, LayerNorms, ungated GELU MLPs, biases everywhere
+        config = AutoConfig.for_model("bloom", hidden_size=1024, n_layer=24, n_head=16, vocab_size=49152, bos_token_id=1,
+                                      eos_token_id=2)
+        shape = "BLOOM-560M's 24 layers of 1024 (its vocabulary SmolLM2's)"
     elif args.arch == "gemma4_e":
         config = AutoConfig.for_model("gemma4_text", **common, **GEMMA4_E2B_HALF)
         shape = "Gemma 4 E2B's 35 layers at half width, the last 20 shared"

@@ -1,6 +1,7 @@
 """End to end: the older families on the torch engine over HTTP (OPT, vLLM's quickstart model,
-and GPT-2, both with learned positions), with the openai SDK and raw requests: transformers'
-greedy tokens, streamed token by token, and a context that ends where the position table does."""
+and GPT-2, both with learned positions; MPT, with ALiBi's biases), with the openai SDK and raw
+requests: transformers' greedy tokens, streamed token by token, and a context that ends where the
+position table does (MPT's: its max_seq_len)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from torch_models import hf_greedy, tiny_checkpoint
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
     root = tmp_path_factory.mktemp("older-e2e")
-    folders = {arch: tiny_checkpoint(root / arch, arch) for arch in ("opt", "gpt2")}
-    # No max_model_len: each model's context is what its position table reaches (512 rows).
+    folders = {arch: tiny_checkpoint(root / arch, arch) for arch in ("opt", "gpt2", "mpt")}
+    # No max_model_len: each model's context is what its position table reaches (512 rows; MPT's max_seq_len).
     config = "".join(f"""
 [[models]]
 name = "{arch}"
@@ -30,7 +31,7 @@ block_size = 4
     router.stop()
 
 
-@pytest.mark.parametrize("model", ["opt", "gpt2"])
+@pytest.mark.parametrize("model", ["opt", "gpt2", "mpt"])
 def test_streamed_completions_are_transformers_greedy_tokens(router, model):
     router, folders = router
     prompt = [17, 4000, 123, 9, 31000, 77, 5, 2500, 640, 12]
@@ -45,7 +46,7 @@ def test_streamed_completions_are_transformers_greedy_tokens(router, model):
     assert chunks[-1].usage.prompt_tokens == 10 and chunks[-1].usage.completion_tokens == 12
 
 
-@pytest.mark.parametrize("model", ["opt", "gpt2"])
+@pytest.mark.parametrize("model", ["opt", "gpt2", "mpt"])
 def test_the_context_is_the_position_tables_length(router, model):
     router, _ = router
     listed = {m["id"]: m for m in httpx.get(f"{router.url}/v1/models").json()["data"]}

@@ -264,7 +264,7 @@ def test_language_model_names_of_an_image_text_checkpoint():
         assert _language_model_weight(key) is None
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "starcoder2", "stablelm", "nemotron", "falcon", "gpt2"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "starcoder2", "stablelm", "nemotron", "falcon", "gpt2", "bloom"])
 def test_gguf_files_the_reader_converts_wrongly_are_refused_before_converting(tmp_path, arch):
     """transformers' GGUF reader drops Gemma 3's rope scaling and the 27Bs' query scale (and
     StarCoder2's rope base and window, StableLM's and Nemotron's rotated share, Falcon 40B's

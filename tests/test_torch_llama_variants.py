@@ -12,7 +12,8 @@ query and key norms, the full-attention layers of its hybrid models without rota
 (biases on q, k, v and o), Granite-MoE with a shared MLP and Granite 4's attention-only models,
 and Cohere's Command models (``cohere``, ``cohere2``: mean-centred norms, attention and MLP in
 parallel from one norm, logits scaled; Command R+'s per-head query and key norms; Cohere 2's
-full-attention layers without rotary), and Granite SWA (windows, attention sinks, a rotary base a layer).
+full-attention layers without rotary), and Granite SWA (windows, attention sinks, a rotary base a layer),
+and the LayerNorm families (torch_models.LAYER_NORMED_ARCHS), BLOOM, MPT and Falcon-RW with ALiBi among them.
 Greedy output and prompt logprobs against transformers, the C step against the packed torch
 path, and what the configs say."""
 
@@ -68,7 +69,8 @@ def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arc
     # 2 without its blocks' output norms (a window of 8 on layer 0, capped scores and logits);
     # helium: adjacent rotary pairs, norms scaled in float32, q/k/v biases without o's;
     # hunyuan_moe: Hunyuan's attention, 2 of 4 experts by a float32 softmax router, a shared MLP;
-    # jais2: LayerNorms with biases, ungated squared-ReLU MLPs, biases on every projection.
+    # jais2: LayerNorms with biases, ungated squared-ReLU MLPs, biases on every projection;
+    # bloom, mpt, falcon-rw: ALiBi's biases over 6, 6 and 4 heads (the others: _layer_normed_config).
     assert_greedy_matches_transformers(checkpoints[arch])
 
 
@@ -87,6 +89,13 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
         within = 0.02
     if dtype == torch.bfloat16 and arch == "falcon-40b":  # its biases (none of the released rotary Falcons has
         within = 0.01  # any) added to the rounded product, ours in it: 0.004 apart, its fused bias split shown in float32
+    if dtype == torch.bfloat16 and arch in ("bloom", "falcon-rw"):
+        # transformers adds their ALiBi biases (slope times absolute position) to the scores in
+        # bfloat16, rounding the sums at the biases' size; ours join in float32 (MPT's do in
+        # transformers too: 6e-7 apart). Measured: BLOOM 0.0051 from transformers' bfloat16 and
+        # 0.0057 from its float32, where its own bfloat16 is 0.0061 from its float32; Falcon-RW
+        # (with Falcon's biases, falcon-40b above) 0.0057, 0.0070 and 0.0054.
+        within = 0.01
     assert_prompt_logprobs_match_transformers(checkpoints[arch], dtype, within)
 
 
@@ -121,6 +130,9 @@ def test_prompt_logprobs_match_transformers(checkpoints, arch, dtype, within):
     ("phi", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
     ("gpt_neox", {"use_parallel_residual": False}),
     ("olmo", {"clip_qkv": None}),
+    ("mpt", {"attn_config": {"clip_qkv": None}}),
+    ("mpt", {"attn_config": {"clip_qkv": 0.4, "softmax_scale": 0.5}}),
+    ("falcon-rw", {"alibi": False}),
     ("ministral3", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
         "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -162,7 +174,9 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("falcon-40b", "int8", "auto"), ("falcon2", "int4", "bfloat16"),
                                          ("gptj", "int8", "auto"), ("gpt2", "int4", "auto"), ("gpt2", "int8", "float16"),
                                          ("gpt_bigcode", "int8", "auto"), ("gpt_bigcode-mha", "int4", "auto"),
-                                         ("olmo", "int8", "auto"), ("opt", "int4", "auto"), ("opt", "int8", "bfloat16")])
+                                         ("olmo", "int8", "auto"), ("opt", "int4", "auto"), ("opt", "int8", "bfloat16"),
+                                         ("bloom", "int4", "auto"), ("bloom", "int8", "bfloat16"), ("mpt", "int8", "auto"),
+                                         ("mpt", "int4", "float16"), ("falcon-rw", "int4", "auto")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (NoPE layers pass no rotary tables; Granite's block outputs land
     in a branch and are added scaled, its experts' sum scaled in moe_block; OLMo's blocks take
@@ -431,6 +445,62 @@ def test_the_c_step_refuses_combinations_it_has_no_arithmetic_for():
         assert c_step_refusal(spec).startswith("LayerNorms with experts, query and key norms or output norms")
 
 
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 6, 8, 12, 16, 20, 32, 48, 56, 64, 71, 112])
+def test_alibi_slopes_are_transformers(heads):
+    # BLOOM's (6 heads in the tiny one; BLOOM 176B's 112, two of its slopes' series) and MPT's
+    # (its own series, odd ones first where the heads are no power of two) for many head counts;
+    # MPT's alibi_bias_max as its own code and vLLM read it (transformers' model always takes 8,
+    # as every MPT release says).
+    from transformers import BloomConfig, FalconConfig, MptConfig
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    bloom = ModelSpec.from_hf_config(BloomConfig(hidden_size=8 * heads, n_head=heads, n_layer=3)).alibi
+    assert bloom == pytest.approx(_get_alibi_slopes(heads, "cpu").tolist(), rel=1e-6)
+    for most in (8, 16):
+        mpt = ModelSpec.from_hf_config(MptConfig(d_model=8 * heads, n_heads=heads, attn_config={"alibi_bias_max": most}))
+        assert mpt.alibi == pytest.approx((-build_mpt_alibi_tensor(heads, 2, most)[:, 0, 0]).tolist(), rel=1e-6)
+    falcon = ModelSpec.from_hf_config(FalconConfig(hidden_size=8 * heads, num_attention_heads=heads, alibi=True,
+                                                   multi_query=False, parallel_attn=False))
+    assert falcon.alibi == pytest.approx([s / 8**0.5 for s in bloom], rel=1e-6)
+    assert falcon.nope_layers == tuple(range(falcon.num_layers))
+
+
+@pytest.mark.parametrize("arch", ["bloom", "mpt", "falcon-rw-mq"])
+def test_alibi_prompt_rows_a_few_at_a_time(checkpoints, arch, monkeypatch, tmp_path):
+    # A long context's prefill takes its scores' rows a few at a time (CAPPED_SCORES): each
+    # block of rows keeps its own heads' slopes. falcon-rw-mq: Falcon-RW's ALiBi over Falcon 7B's
+    # one key-value head (no release has both), so that the rows of a block are of several heads.
+    monkeypatch.setattr("backends.torch.attention.CAPPED_SCORES", 100)
+    folder = checkpoints.get(arch) or tiny_checkpoint(tmp_path / arch, arch)
+    assert_prompt_logprobs_match_transformers(folder, torch.float32, 1e-4)
+
+
+def test_alibi_specs():
+    from transformers import BloomConfig, MptConfig
+
+    bloom = ModelSpec.from_hf_config(BloomConfig(hidden_size=64, n_head=4, n_layer=3))
+    assert (bloom.max_position, bloom.nope_layers, bloom.embedding_norm, bloom.intermediate_size) == (2048, (0, 1, 2), True, 256)
+    assert (bloom.qkv_bias, bloom.o_bias, bloom.mlp_bias, bloom.norm_bias, bloom.ungated_mlp, bloom.activation) == (
+        True, True, True, True, True, "bloom_gelu")
+    assert ModelSpec.from_hf_config(BloomConfig(hidden_size=64, n_head=4, seq_length=4096)).max_position == 4096
+    with pytest.raises(ModelError, match="apply_residual_connection_post_layernorm"):
+        ModelSpec.from_hf_config(BloomConfig(hidden_size=64, n_head=4, apply_residual_connection_post_layernorm=True))
+    mpt = ModelSpec.from_hf_config(MptConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=8192))
+    assert (mpt.max_position, mpt.nope_layers, mpt.clip_qkv, mpt.attention_scale, mpt.activation) == (8192, (0, 1), None,
+                                                                                                   0.25, "gelu")
+    assert (mpt.qkv_bias, mpt.o_bias, mpt.mlp_bias, mpt.norm_bias, mpt.centered_norms) == (False, False, False, False, True)
+    mpt = ModelSpec.from_hf_config(MptConfig(d_model=64, n_heads=4, attn_config={"clip_qkv": 6.0, "softmax_scale": 0.1}))
+    assert (mpt.clip_qkv, mpt.attention_scale) == (6.0, 0.1)
+    for changes, message in (({"attn_config": {"prefix_lm": True}}, "prefix_lm"), ({"attn_config": {"qk_ln": True}}, "qk_ln"),
+                             ({"attn_config": {"alibi": False}}, "alibi false"),
+                             ({"attn_config": {"attn_type": "multiquery_attention"}}, "multiquery_attention"),
+                             ({"no_bias": False}, "no_bias false"), ({"logit_scale": 0.5}, "logit_scale"),
+                             ({"expansion_ratio": 3}, "expansion_ratio 3")):
+        with pytest.raises(ModelError, match=message):
+            ModelSpec.from_hf_config(MptConfig(d_model=64, n_heads=4, **changes))
+
+
 def test_layer_normed_specs():
     """The LayerNorm families: each config's names for its epsilon, biases and MLP, the ungated
     MLPs' activations (no other); OLMo 1's weightless norms and clamped projections; Phi's query
@@ -500,8 +570,8 @@ def test_layer_normed_specs():
     assert spec("gptj", n_embd=240, n_head=4, rotary_dim=18).rotary_dim == 18  # by number, not through 0.3
     with pytest.raises(ModelError, match="num_kv_heads 2: Falcon's layers without new_decoder_architecture or multi_query"):
         spec("falcon", hidden_size=64, num_attention_heads=4, num_kv_heads=2, multi_query=False)
-    with pytest.raises(ModelError, match="alibi: Falcon's ALiBi position biases"):
-        spec("falcon", alibi=True)
+    falcon_rw = spec("falcon", alibi=True).alibi  # transformers' default Falcon: 71 heads of 64
+    assert len(falcon_rw) == 71 and falcon_rw[0] == pytest.approx(2 ** (-8 / 64) / 8)
     with pytest.raises(ModelError, match="new_decoder_architecture with parallel_attn false"):
         spec("falcon", new_decoder_architecture=True, parallel_attn=False)
     with pytest.raises(ModelError, match="hidden_act `relu` is not supported"):

@@ -583,7 +583,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
         from transformers import Jais2Config
 
         config = Jais2Config(**{k: v for k, v in common.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5)
-    elif arch in LAYER_NORMED_ARCHS:
+    elif arch in (*LAYER_NORMED_ARCHS, "falcon-rw-mq"):
         config = _layer_normed_config(arch, {k: v for k, v in common.items() if k != "rms_norm_eps"})
     elif arch == "llama-odd":  # sizes off every kernel tile and group, biases everywhere
         config = LlamaConfig(**{**common, "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
@@ -654,7 +654,7 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
 
 LAYER_NORMED_ARCHS = ("starcoder2", "nemotron", "stablelm", "stablelm-parallel", "phi", "gpt_neox", "gpt_neox-serial",
                       "falcon", "falcon-40b", "falcon2", "falcon-serial", "gptj", "gpt2", "gpt_bigcode", "gpt_bigcode-mha",
-                      "olmo", "opt")
+                      "olmo", "opt", "bloom", "mpt", "falcon-rw")
 """The tiny checkpoints of the LayerNorm families (:func:`_layer_normed_config`)."""
 
 
@@ -675,7 +675,12 @@ def _layer_normed_config(arch: str, common: dict):
     (``-mha``: ``c_attn`` head by head) and with unscaled scores; OLMo 1: Llama with LayerNorms of
     no weight nor bias, q, k and v clamped to within 1 (``clip_qkv``); OPT: learned positions from
     the table's third row, ReLU MLPs, biases everywhere, tied, heads of 20 (a query scale no power
-    of two, which bfloat16 rounds where it is applied)."""
+    of two, which bfloat16 rounds where it is applied); BLOOM: ALiBi over 6 heads (two of their
+    slopes from the next power of two's), its embeddings normed, q, k and v head by head, biases
+    everywhere, tied; MPT: ALiBi over 6 heads (its own slopes), norms and projections without
+    biases, q, k and v clamped to within 0.4, exact GELU, tied; Falcon-RW: ALiBi, serial blocks,
+    q, k and v head by head, biases everywhere."""
+    from transformers import BloomConfig, MptConfig
     from transformers import FalconConfig, GPT2Config, OlmoConfig, OPTConfig, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, NemotronConfig, PhiConfig, StableLmConfig, Starcoder2Config
 
     names = dict(layer_norm_eps=1e-5)
@@ -689,6 +694,17 @@ def _layer_normed_config(arch: str, common: dict):
         return StableLmConfig(**common, **names, use_qkv_bias=not parallel, qk_layernorm=parallel,
                               use_parallel_residual=parallel,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    if arch == "bloom":
+        return BloomConfig(vocab_size=common["vocab_size"], hidden_size=72, n_layer=2, n_head=6, layer_norm_epsilon=1e-5,
+                           bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    if arch == "mpt":
+        return MptConfig(vocab_size=common["vocab_size"], d_model=72, n_layers=2, n_heads=6, max_seq_len=512,
+                         layer_norm_epsilon=1e-5, attn_config={"clip_qkv": 0.4}, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True)
+    if arch.startswith("falcon-rw"):  # -mq: multi-query (test_alibi_prompt_rows_a_few_at_a_time)
+        return FalconConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "intermediate_size")},
+                            ffn_hidden_size=128, layer_norm_epsilon=1e-5, multi_query=arch == "falcon-rw-mq",
+                            parallel_attn=False, bias=True, alibi=True, activation="gelu")
     if arch.startswith("falcon"):
         new = arch in ("falcon-40b", "falcon2")
         return FalconConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "intermediate_size")},

@@ -22,7 +22,13 @@ earlier keys of its own chunk of ``window`` positions (``p - p % window`` to ``p
 Gemma 2 caps its scores (``cap * tanh(score / cap)``) before the softmax, and gpt-oss adds a
 learned logit per head to each softmax (a "sink" that takes some of the weight and passes no
 value), neither of which SDPA can do: those layers compute the scores, the cap or the sink and
-the softmax as separate operations, as transformers' eager attention does.
+the softmax as separate operations, as transformers' eager attention does. So do the ALiBi models'
+(BLOOM, MPT, Falcon-RW), whose heads add ``slope * (key position - query position)`` to their
+scores: a row's keys sit in position order, so each key's bias is its slope times its distance
+back from the row's last key, which differs from its distance to the query by the same amount for
+every key of the row, and the softmax does not see that (in float32, whatever the model's dtype,
+as vLLM's kernels add it: transformers adds BLOOM's and Falcon's, slope times absolute position,
+in the model's dtype).
 """
 
 from __future__ import annotations
@@ -93,12 +99,14 @@ def paged_attention(
     sliding: bool = False,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] (both None: attend to ``layer``'s
     cache as an earlier layer left it this step, Gemma 4's shared layers). Returns [tokens, heads, dim].
     ``v`` None: the values are the keys' first dimensions, which the value cache views (latent
     attention: the output has the values' width); ``sliding``: the layer attends within the
-    model's sliding window (the window masks); ``softcap``: the scores' tanh cap, if any; ``sinks``: the sink logit of each head ``[heads]``."""
+    model's sliding window (the window masks); ``softcap``: the scores' tanh cap, if any; ``sinks``: the sink logit of each head ``[heads]``;
+    ``alibi``: each head's ALiBi slope ``[heads]``, float32."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
     if k is not None:  # None: the layer reads ``layer``'s cache, written by that layer this step (Gemma 4)
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
@@ -106,16 +114,16 @@ def paged_attention(
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     decode_mask = meta.decode_window_mask if sliding else meta.decode_mask
     if meta.num_decode and not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, decode_mask, scale, softcap, sinks)
+        return _decode(q, k_cache, v_cache, meta, decode_mask, scale, softcap, sinks, alibi)
     out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
     if meta.num_decode:
         out[: meta.num_decode] = _decode(
-            q[: meta.num_decode], k_cache, v_cache, meta, decode_mask, scale, softcap, sinks
+            q[: meta.num_decode], k_cache, v_cache, meta, decode_mask, scale, softcap, sinks, alibi
         )
     for span in meta.prefills:
         mask = span.window_mask if sliding else span.mask
         out[span.start : span.end] = _prefill(
-            q[span.start : span.end], k_cache, v_cache, span.slots, mask, scale, softcap, sinks
+            q[span.start : span.end], k_cache, v_cache, span.slots, mask, scale, softcap, sinks, alibi
         )
     return out
 
@@ -128,19 +136,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, h
 
 def _attend(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    softcap: float | None, sinks: torch.Tensor | None = None,
+    softcap: float | None, sinks: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA over ``q [..., n, dim]`` and ``keys``, ``values [..., context, dim]`` (equal head
-    counts, or one KV head broadcast over a group of query heads), or with ``softcap`` or
-    ``sinks`` (each row's sink logit, shaped as the scores' ``[..., n, 1]``) the same arithmetic
-    written out as transformers' eager attention does it: scores, cap, mask, the softmax in
+    counts, or one KV head broadcast over a group of query heads), or with ``softcap``, ``sinks``
+    (each row's sink logit, shaped as the scores' ``[..., n, 1]``) or ``alibi`` (each row's slope,
+    shaped so) the same arithmetic written out as transformers' eager attention does it: scores,
+    cap, ALiBi's bias (float32, each key's distance back from the last), mask, the softmax in
     float32 (with sinks: over the scores and the sink, less their maximum, in the scores' dtype;
     the sink's share then dropped)."""
-    if softcap is None and sinks is None:
+    if softcap is None and sinks is None and alibi is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if alibi is not None:
+        context = keys.shape[-2]
+        scores = scores.float() + alibi * torch.arange(1 - context, 1, device=scores.device, dtype=torch.float32)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
@@ -159,7 +171,7 @@ def values_in_keys(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, mask: torch.Tensor | None,
-    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n, context = meta.decode_slots.shape
     kv_heads, dim = k_cache.shape[1:]
@@ -175,20 +187,21 @@ def _decode(
     # [n, 1, 1, context] mask covers them all.
     group = q.shape[1] // kv_heads
     sink = sinks.view(kv_heads, group, 1) if sinks is not None else None  # head j * group + g's
-    out = _attend(q.reshape(n, kv_heads, group, dim), keys, values, mask, scale, softcap, sink)
+    slope = alibi.view(kv_heads, group, 1) if alibi is not None else None
+    out = _attend(q.reshape(n, kv_heads, group, dim), keys, values, mask, scale, softcap, sink, slope)
     return out.reshape(n, kv_heads * group, -1)
 
 
 def _prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
     if values_in_keys(k_cache, v_cache):
         values = keys[..., : v_cache.shape[-1]]
     else:
         values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-    if softcap is not None or sinks is not None:
+    if softcap is not None or sinks is not None or alibi is not None:
         # The chunk's query heads that share a KV head as one [group x chunk] block of rows.
         chunk, heads, dim = q.shape
         kv_heads, context = keys.shape[1], keys.shape[2]
@@ -196,13 +209,15 @@ def _prefill(
         if mask is None:  # plain causal over a chunk that is the whole context
             mask = causal_mask(chunk, context, q.device)
         rows, mask = q.transpose(0, 1).reshape(kv_heads, group * chunk, dim), mask.repeat(group, 1)
-        sink = None  # row g * chunk + c of KV head j: head j * group + g's sink
-        if sinks is not None:
-            sink = sinks.view(kv_heads, group, 1, 1).expand(kv_heads, group, chunk, 1).reshape(kv_heads, -1, 1)
+        # Row g * chunk + c of KV head j: head j * group + g's sink and slope.
+        sink, slope = (None if each is None else
+                       each.view(kv_heads, group, 1, 1).expand(kv_heads, group, chunk, 1).reshape(kv_heads, -1, 1)
+                       for each in (sinks, alibi))
         step = max(1, CAPPED_SCORES // (kv_heads * context))  # rows at a time: the scores' memory bounded
         out = torch.cat([
             _attend(rows[:, i : i + step], keys[0], values[0], mask[i : i + step], scale, softcap,
-                    sink[:, i : i + step] if sink is not None else None)
+                    sink[:, i : i + step] if sink is not None else None,
+                    slope[:, i : i + step] if slope is not None else None)
             for i in range(0, rows.shape[1], step)
         ], dim=1)
         return out.reshape(heads, chunk, -1).transpose(0, 1)

@@ -18,8 +18,9 @@ cache gather, attention, residual adds), and even one Python call per kernel (27
 LFM3's gates, one a head, on the attention's output;
 LFM2's short convolution, ``short_conv`` between its in_proj and out_proj, in the attention's place)
 
-and the final norm and LM head (its bias: Phi's, GPT-J's) for the rows that sample. GPT-2's and
-OPT's learned positions are added to the embeddings before the call; Gemma's and Granite's embedding factors,
+and the final norm and LM head (its bias: Phi's, GPT-J's) for the rows that sample; ALiBi's biases
+(BLOOM's, MPT's, Falcon-RW's) join the attention's scores. GPT-2's and
+OPT's learned positions are added to the embeddings before the call, BLOOM's embedding norm taken there; Gemma's and Granite's embedding factors,
 Gemma 2's logit cap and Granite's logit divisor are applied here, around the call; Gemma's
 ``1 + weight`` norms reach C as their float32 factors.
 The model's weights are described to C once (:class:`RkModel`); a step passes only its tokens'
@@ -99,9 +100,9 @@ def _eps(norm: torch.nn.Module | None) -> float:
 
 
 GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
-UNGATED_ACTS = {"gelu_tanh": 2, "gelu_new": 2, "gelu": 3, "relu": 4, "relu2": 5}
-"""``rk_model.act`` for each activation, of a gated and of an ungated MLP (``gelu_new`` is the tanh
-form, in float32 the same)."""
+UNGATED_ACTS = {"gelu_tanh": 2, "gelu_new": 2, "bloom_gelu": 2, "gelu": 3, "relu": 4, "relu2": 5}
+"""``rk_model.act`` for each activation, of a gated and of an ungated MLP (``gelu_new`` and BLOOM's
+are the tanh form, in float32 the same)."""
 
 
 def c_step_refusal(spec: "ModelSpec") -> str | None:
@@ -219,6 +220,7 @@ class CpuDecoder:
             parallel=0 if not spec.parallel_blocks else 2 if spec.parallel_mlp_norm else 1, clip_qkv=spec.clip_qkv or 0.0,
             bits=linears[0].bits, lm_head_bits=head.bits, kv_kind=KV_KINDS[kv.k[0].dtype],
             head_gates=int(spec.head_gates),
+            alibi=f32(torch.tensor(spec.alibi, dtype=torch.float32)) if spec.alibi else None,
         )
         if spec.parallel_blocks and len({layer.gate_up_kp for layer in layers}) != 1:  # C's scratch of one width
             raise ValueError("CpuDecoder needs every parallel block's MLP input of one width")
@@ -331,6 +333,8 @@ class CpuDecoder:
             x.mul_(scale)
         if self.model.embed_positions is not None:  # GPT-2's, OPT's learned positions
             x += self.model.embed_positions.weight.index_select(0, pos_t)
+        if self.model.embed_norm is not None:  # BLOOM's
+            x = self.model.embed_norm(x)
         f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
         q = torch.empty(m, self._kp, dtype=torch.int16)
         dq, tmp = f32(m), f32(max(spec.hidden_size, spec.intermediate_size))

@@ -77,13 +77,13 @@ GGUF_REFUSED = {
     "gemma2": "Gemma's rope scaling and query scale", "gemma3": "Gemma's rope scaling and query scale",
     "starcoder2": "StarCoder2's rope base and sliding window", "stablelm": "StableLM's rope base and rotated share",
     "nemotron": "Nemotron's rotated share and norm epsilon", "falcon": "Falcon's key-value heads and layout",
-    "gpt2": "GPT-2's context length",
+    "gpt2": "GPT-2's context length", "bloom": "a check of BLOOM's q, k and v rows",
 }
 """GGUF architectures transformers' reader converts without settings their files carry (its
 mapping has no key for them): a Gemma 3's rope scaling (4B and up), the 27B models' query scale
 (llama.cpp derives both Gemmas' from the model's size), StarCoder2's rope base and window,
-StableLM's and Nemotron's rotated share of each head, Falcon 40B's grouping; GPT-2's is
-unchecked. llama.cpp runs these files as they are (``backend = "llamacpp"``)."""
+StableLM's and Nemotron's rotated share of each head, Falcon 40B's grouping; GPT-2's and
+BLOOM's are unchecked. llama.cpp runs these files as they are (``backend = "llamacpp"``)."""
 
 
 def gguf_architecture(path: Path) -> str | None:
@@ -257,6 +257,10 @@ _GPT2_NAMES = ((".attn.c_attn.", ".self_attn.qkv_proj."), (".attn.c_proj.", ".se
                (".mlp.c_proj.", ".mlp.down_proj."))
 """GPT-2's and GPTBigCode's attention, norms and MLP."""
 
+_FALCON_NAMES = ((".self_attention.dense.", ".self_attn.o_proj."), (".self_attention.", ".self_attn."),
+                 (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+                 (".ln_attn.", ".input_layernorm."), (".ln_mlp.", ".post_attention_layernorm."))
+
 _RENAMED = {
     "lfm2": _LFM2_NAMES,
     "lfm3": _LFM3_NAMES,
@@ -298,10 +302,12 @@ _RENAMED = {
     "gpt_neox": ((".attention.dense.", ".self_attn.o_proj."), (".attention.", ".self_attn."),
                  (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj.")),
     # Falcon's layers: its attention (q, k and v in one `query_key_value`, by key-value group),
-    # ungated MLP, and 40B's two norms (`ln_attn`, `ln_mlp`)
-    "falcon": ((".self_attention.dense.", ".self_attn.o_proj."), (".self_attention.", ".self_attn."),
-               (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
-               (".ln_attn.", ".input_layernorm."), (".ln_mlp.", ".post_attention_layernorm.")),
+    # ungated MLP, and 40B's two norms (`ln_attn`, `ln_mlp`); BLOOM's the same (a group a head)
+    "falcon": _FALCON_NAMES,
+    "bloom": _FALCON_NAMES,
+    # MPT's blocks: its norms, attention (q, k and v in one `Wqkv`, as ours) and MLP
+    "mpt": ((".norm_1.", ".input_layernorm."), (".norm_2.", ".post_attention_layernorm."),
+            (".attn.Wqkv.", ".self_attn.qkv_proj."), (".attn.out_proj.", ".self_attn.o_proj."), (".ffn.", ".mlp.")),
     # GPT-J's layers: its attention's o_proj and the rest of it, norm and ungated MLP
     "gptj": ((".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn."), (".ln_1.", ".input_layernorm."),
              (".mlp.fc_in.", ".mlp.up_proj."), (".mlp.fc_out.", ".mlp.down_proj.")),
@@ -331,6 +337,12 @@ _MODEL_NAMES = {
     # OPT's decoder (its first releases without the `model.`), and its final norm
     "opt": tuple((prefix + theirs, ours) for prefix in ("model.", "") for theirs, ours in (
         ("decoder.final_layer_norm.", "model.norm."), ("decoder.", "model."))),
+    # BLOOM's (its releases without the `transformer.`): its embeddings and their norm
+    "bloom": tuple((prefix + theirs, ours) for prefix in ("transformer.", "") for theirs, ours in (
+        ("word_embeddings_layernorm.", "model.embed_norm."), ("word_embeddings.", "model.embed_tokens."),
+        ("ln_f.", "model.norm."), ("h.", "model.layers."))),
+    "mpt": (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.", "model.norm."),
+            ("transformer.blocks.", "model.layers.")),
 }
 """Model types whose whole model is named otherwise (each a prefix of a weight's name), before
 _RENAMED renames within its layers."""

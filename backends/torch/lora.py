@@ -89,7 +89,7 @@ def load_adapter(name: str, folder: Path, spec: ModelSpec, dtype: torch.dtype, d
         raise fail(f"adapters of a model with linear-attention or Mamba layers ({STATE_MODELS}) are not supported")
     if spec.ungated_mlp:  # no gate_up_proj to add to
         raise fail("adapters of a model with ungated MLPs (Apertus, Arcee, Jais 2, Nemotron, StarCoder2, Phi, GPT-NeoX, "
-                   "GPT-J, Falcon, GPT-2, GPTBigCode, OPT) are not supported")
+                   "GPT-J, Falcon, GPT-2, GPTBigCode, OPT, BLOOM, MPT) are not supported")
     if spec.value_norms or spec.kv_sources:  # q, k and v sized layer by layer, some layers without k and v (their
         # own or at all); the shared layers compute fewer rows than a step's adapters select (CausalLM.wanted_rows_from)
         raise fail("adapters of Gemma 4 are not supported")

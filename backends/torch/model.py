@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3/4, SmolLM 2/3, Granite 3, OLMo 2/3, GLM-4, Qwen2, Qwen3, Mistral,
 Ministral and Ministral 3, ERNIE 4.5, EXAONE 4, Seed-OSS, Phi-3, Cohere's Command models, Hunyuan,
 Apertus, Arcee, InternLM3, Helium, Gemma 1/2/3/4, VaultGemma, the LayerNorm families Jais 2, StarCoder2,
-Nemotron, StableLM 2, Phi-2, GPT-NeoX, GPT-J, Falcon, GPT-2, GPTBigCode, OPT and OLMo 1, and the mixtures of experts Mixtral,
+Nemotron, StableLM 2, Phi-2, GPT-NeoX, GPT-J, Falcon, GPT-2, GPTBigCode, OPT and OLMo 1, with ALiBi BLOOM, MPT and
+Falcon-RW, and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Granite 3's, GLM-4.5, Solar Open, dots.llm1, ERNIE 4.5's and MiniMax-M2, and with multi-head latent attention
 (:mod:`.latent`) DeepSeek-V2, V3, GLM-4.7-Flash, Mistral 4 and Youtu-LLM; LFM2 with short convolutions (:mod:`.conv`);
 Qwen3-Next, Qwen3.5 and OLMo Hybrid with Gated DeltaNet linear attention (:mod:`.delta`); Granite 4's hybrids, Bamba and
@@ -194,6 +195,11 @@ class ModelSpec:
     # (every layer in nope_layers).
     learned_positions: bool = False
     position_table_offset: int = 0  # OPT: the table's first rows, which no position reads (2)
+    # BLOOM, MPT, Falcon-RW: no positions in the embeddings nor a rotary (every layer in
+    # nope_layers); each head's scaled scores get slope * (key position - query position) added
+    # (ALiBi, arXiv 2108.12409), in float32 before the softmax: its slopes, one a query head.
+    alibi: tuple[float, ...] = ()
+    embedding_norm: bool = False  # BLOOM: its embeddings LayerNormed before the first layer
     # OPT: the queries times the attention scale as they leave their projection, rounded to the
     # model's dtype there, the scores then unscaled (transformers' order: head sizes whose scale
     # is no power of two, 80 and 128, round otherwise in bfloat16).
@@ -289,7 +295,7 @@ class ModelSpec:
                  "falcon_h1", "gemma4_text", "gemma4", "llama4_text", "llama4", "mistral4", "arcee", "internlm3",
                  "vaultgemma", "youtu", "solar_open", "helium", "hunyuan_v1_moe", "exaone_moe", "jais2",
                  "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode", "olmo",
-                 "opt")
+                 "opt", "bloom", "mpt")
     IMAGE_TEXT = ("gemma3", "gemma4", "llama4", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
                   "qwen3_5_moe")
     """Image-text checkpoints whose language model (``text_config``) is served, images not taken."""
@@ -304,7 +310,7 @@ class ModelSpec:
     """The gated MLPs' activations: the config's name -> ours."""
     OWN_ACTIVATIONS = {"apertus": {"xielu": "xielu"}, **dict.fromkeys(("nemotron_h", "arcee", "jais2", "nemotron"), RELU2),
                        **dict.fromkeys(("starcoder2", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode"), GELUS),
-                       "opt": {"relu": "relu", **GELUS}}
+                       "opt": {"relu": "relu", **GELUS}, "bloom": {"bloom_gelu": "bloom_gelu"}, "mpt": {"gelu": "gelu"}}
     """The model types whose MLPs are ungated, and the activations each may have (no other)."""
     ROPE_SCALINGS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
@@ -494,8 +500,8 @@ class ModelSpec:
         gemma4 = _gemma4_fields(cfg) if model_type == "gemma4_text" else {}
         if getattr(cfg, "use_bidirectional_attention", False) and not (gemma4 and cfg.use_bidirectional_attention == "vision"):
             raise ModelError("use_bidirectional_attention: an encoder (EmbeddingGemma) is not a decoder this engine runs")
-        act = (getattr(cfg, "hidden_activation", None) if gemma else None) or getattr(cfg, ACT_NAMES.get(model_type, "hidden_act"),
-                                                                                      "silu")
+        act = (getattr(cfg, "hidden_activation", None) if gemma else None) or FIXED_ACTS.get(model_type) or getattr(
+            cfg, ACT_NAMES.get(model_type, "hidden_act"), "silu")
         if gemma and act == "gelu":
             act = "gelu_pytorch_tanh"  # Gemma's first releases say "gelu" and mean the tanh form, as transformers reads it
         activations = cls.OWN_ACTIVATIONS.get(model_type, cls.ACTIVATIONS)
@@ -632,7 +638,7 @@ class ModelSpec:
             rms_norm_eps=eps if isinstance(eps := NORM_EPS.get(model_type, "rms_norm_eps"), float) else getattr(cfg, eps),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position=cfg.max_position_embeddings,
+            max_position=_max_position(cfg, model_type),
             tie_word_embeddings=tied,
             # Qwen2 always has q, k and v biases; Qwen2-MoE unless its config says qkv_bias false.
             # GLM-4.1V's language model has them without saying so.
@@ -719,14 +725,30 @@ NORM_EPS = {"cohere": "layer_norm_eps", "cohere2": "layer_norm_eps", "jais2": "l
             "lfm2_moe": "norm_eps", "lfm3": "norm_eps", "nemotron_h": "layer_norm_epsilon", "starcoder2": "norm_epsilon",
             "nemotron": "norm_eps", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps", "gpt_neox": "layer_norm_eps",
             "falcon": "layer_norm_epsilon", "gptj": "layer_norm_epsilon", "gpt2": "layer_norm_epsilon",
-            "gpt_bigcode": "layer_norm_epsilon", "olmo": 1e-5, "opt": 1e-5}
+            "gpt_bigcode": "layer_norm_epsilon", "olmo": 1e-5, "opt": 1e-5, "bloom": "layer_norm_epsilon",
+            "mpt": "layer_norm_epsilon"}
 """The config's name for its norms' epsilon where it is not ``rms_norm_eps``, or the epsilon
 where the config has none (OLMo 1's)."""
 
 LAYER_NORMED = ("jais2", "starcoder2", "nemotron", "stablelm", "phi", "gpt_neox", "falcon", "gptj", "gpt2", "gpt_bigcode",
-                "olmo", "opt")
+                "olmo", "opt", "bloom", "mpt")
 """Model types whose norms are LayerNorms (``centered_norms``), with biases (``norm_bias``) but
-OLMo's, which have neither weight nor bias."""
+OLMo's, which have neither weight nor bias, and MPT's, which have no bias."""
+
+FIXED_ACTS = {"bloom": "bloom_gelu", "mpt": "gelu"}
+"""The activation of the model types whose configs name none: BLOOM's tanh GELU (its own
+constants, step by step), MPT's exact GELU."""
+
+
+def _max_position(cfg: Any, model_type: str) -> int:
+    """The longest context: ``max_position_embeddings``, MPT's ``max_seq_len`` (its ALiBi tables'
+    length in transformers), BLOOM's ``seq_length`` where its config has one, else 2048, its
+    training length (vLLM's default for a config that names none)."""
+    if model_type == "bloom":
+        return int(getattr(cfg, "seq_length", None) or 2048)
+    if model_type == "mpt":
+        return int(cfg.max_seq_len)
+    return cfg.max_position_embeddings
 
 ACT_NAMES = {"nemotron_h": "mlp_hidden_act", "falcon": "activation", "gptj": "activation_function",
              "gpt2": "activation_function", "gpt_bigcode": "activation_function", "opt": "activation_function"}
@@ -755,6 +777,10 @@ def _layer_normed_fields(cfg: Any, model_type: str) -> dict[str, Any]:
         return _gpt2_fields(cfg)
     if model_type == "opt":
         return _opt_fields(cfg)
+    if model_type == "bloom":
+        return _bloom_fields(cfg)
+    if model_type == "mpt":
+        return _mpt_fields(cfg)
     if model_type == "gptj":
         return dict(intermediate_size=getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size, qkv_bias=False, o_bias=False,
                     mlp_bias=True, parallel_blocks=True, parallel_residual_last=True, lm_head_bias=True)
@@ -815,14 +841,75 @@ def _opt_fields(cfg: Any) -> dict[str, Any]:
                 position_table_offset=2, nope_layers=tuple(range(cfg.num_hidden_layers)), prescaled_queries=True)
 
 
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's slope for each of ``heads`` heads, as BLOOM's and Falcon's releases use them (and
+    the paper defines them): ``2 ** (-8 i / n)`` for heads ``i = 1 .. n``, ``n`` the largest power
+    of two up to ``heads``; the rest of the heads take every other slope of ``2 n`` heads'."""
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = [2 ** (-8 * i / n) for i in range(1, n + 1)]
+    return slopes + [2 ** (-4 * i / n) for i in range(1, 2 * (heads - n), 2)]
+
+
+def _bloom_fields(cfg: Any) -> dict[str, Any]:
+    """BLOOM: ALiBi (:func:`alibi_slopes`), its embeddings LayerNormed, q, k and v in one
+    ``query_key_value`` head by head (GPT-NeoX's), biases everywhere, ungated MLPs four times the
+    hidden size through its tanh GELU. Norms after the residual's branch
+    (``apply_residual_connection_post_layernorm``, no release has it) refused."""
+    if getattr(cfg, "apply_residual_connection_post_layernorm", False):
+        raise ModelError("apply_residual_connection_post_layernorm: BLOOM's residual taken after the norms is not supported")
+    return dict(intermediate_size=4 * cfg.hidden_size, qkv_bias=True, o_bias=True, mlp_bias=True,
+                alibi=tuple(alibi_slopes(cfg.n_head)), embedding_norm=True, nope_layers=tuple(range(cfg.n_layer)))
+
+
+def _mpt_fields(cfg: Any) -> dict[str, Any]:
+    """MPT (7B, 30B, their -8k, -instruct and -chat): ALiBi with its own slopes (``2 ** (-8 i / n *
+    alibi_bias_max / 8)`` over the next power of two ``n``, odd ones first where heads fall
+    short), LayerNorms without bias, no bias anywhere, q, k and v in one ``Wqkv`` (all q rows, then
+    k's, v's), optionally clamped (``clip_qkv``) and scaled by ``softmax_scale``, exact-GELU MLPs
+    four times the hidden size, as transformers runs it (which takes ``alibi_bias_max`` 8 whatever
+    the config says: every release says 8; MPT's own code and vLLM read it, as here). What transformers does not run (a
+    prefix LM, query and key norms, no ALiBi, biases, scaled logits, multi-query attention) is
+    refused."""
+    attn = cfg.attn_config
+    refused = ((getattr(attn, "prefix_lm", False), "attn_config.prefix_lm: a prefix language model"),
+               (getattr(attn, "qk_ln", False), "attn_config.qk_ln: query and key LayerNorms"),
+               (not getattr(attn, "alibi", True), "attn_config.alibi false: MPT without ALiBi (learned positions)"),
+               (getattr(attn, "attn_type", "multihead_attention") != "multihead_attention",
+                f"attn_config.attn_type `{getattr(attn, 'attn_type', None)}`: only multihead_attention is"),
+               (not getattr(cfg, "no_bias", True), "no_bias false: MPT with biases"),
+               (getattr(cfg, "logit_scale", None) is not None, "logit_scale: scaled logits"),
+               (getattr(cfg, "expansion_ratio", 4) != 4, f"expansion_ratio {getattr(cfg, 'expansion_ratio', None)}: "
+                "MLPs of other than four times the hidden size"))
+    for wrong, what in refused:
+        if wrong:
+            raise ModelError(f"{what} is not supported")
+    heads, most = cfg.n_heads, float(getattr(attn, "alibi_bias_max", 8))
+    n = 2 ** math.ceil(math.log2(heads))
+    slopes = [2 ** (-i * most / n) for i in range(1, n + 1)]
+    if n != heads:
+        slopes = (slopes[1::2] + slopes[::2])[:heads]
+    fields = dict(intermediate_size=4 * cfg.hidden_size, qkv_bias=False, o_bias=False, mlp_bias=False, norm_bias=False,
+                  alibi=tuple(slopes), nope_layers=tuple(range(cfg.n_layers)))
+    if getattr(attn, "clip_qkv", None):
+        fields["clip_qkv"] = float(attn.clip_qkv)
+    if getattr(attn, "softmax_scale", None):
+        fields["query_scale"] = float(attn.softmax_scale)
+    return fields
+
+
 def _falcon_fields(cfg: Any) -> dict[str, Any]:
     """Falcon: 7B's parallel blocks from one norm, multi-query attention; 40B's and 180B's
     (``new_decoder_architecture``) a norm each (``num_ln_in_parallel_attn`` 2, Falcon 2 11B's 1),
     grouped queries; the blocks' outputs summed before the residual; ungated MLPs of
-    ``ffn_hidden_size`` through ``activation``; ``bias`` on every projection. ALiBi (Falcon-RW)
-    refused."""
+    ``ffn_hidden_size`` through ``activation``; ``bias`` on every projection; Falcon-RW's ALiBi
+    (``alibi``) instead of the rotary, its slopes BLOOM's over the square root of the head size
+    (vLLM's; transformers rounds each slope times each position to bfloat16, which matters only for
+    slopes no power of two, 16 heads and more)."""
+    alibi = {}
     if getattr(cfg, "alibi", False):
-        raise ModelError("alibi: Falcon's ALiBi position biases (Falcon-RW) are not supported; rotary Falcons are")
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        alibi = dict(alibi=tuple(s / math.sqrt(head_dim) for s in alibi_slopes(cfg.num_attention_heads)),
+                     nope_layers=tuple(range(cfg.num_hidden_layers)))
     new = bool(getattr(cfg, "new_decoder_architecture", False))
     parallel = bool(getattr(cfg, "parallel_attn", True))
     if new and not parallel:  # transformers cannot run it either
@@ -833,7 +920,7 @@ def _falcon_fields(cfg: Any) -> dict[str, Any]:
     bias = bool(getattr(cfg, "bias", False))
     return dict(intermediate_size=cfg.ffn_hidden_size, qkv_bias=bias, o_bias=bias, mlp_bias=bias, parallel_blocks=parallel,
                 parallel_residual_last=parallel,
-                parallel_mlp_norm=new and (getattr(cfg, "num_ln_in_parallel_attn", None) or 2) == 2)
+                parallel_mlp_norm=new and (getattr(cfg, "num_ln_in_parallel_attn", None) or 2) == 2, **alibi)
 
 
 def _full_layers(cfg: Any, sliding: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -1778,6 +1865,7 @@ class Attention(nn.Module):
             spec.nope_temperature is not None and not self.rotates)
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.attention_sinks else None
         self.clip_qkv = spec.clip_qkv
+        self.register_buffer("alibi", None, persistent=False)  # ALiBi's slopes [heads], float32 (CausalLM._rotaries')
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -1814,7 +1902,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         if self.v_norm is not None:  # Gemma 4: each value head normalised, no weight
             v = self.v_norm(v)
-        out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks)
+        out = paged_attention(q, k, v, meta, self.layer, self.scale, self.sliding, self.softcap, self.sinks, self.alibi)
         if self.gate_size:
             gates = torch.sigmoid(qkv[:, -self.gate_size :])
             out = out * (gates.view(n, -1, 1) if self.gate_size == self.num_heads else gates.view(out.shape))
@@ -1862,7 +1950,7 @@ class XieluMLP(nn.Module):
 class PlainMLP(nn.Module):
     """An ungated MLP, ``down(act(up(x)))``: squared ReLU (Nemotron-H's blocks and experts,
     Arcee's, Jais 2's, Nemotron's), a GELU (``activation``: StarCoder2's tanh form, Phi's
-    ``gelu_new``, GPT-NeoX's exact one) or a ReLU (OPT's)."""
+    ``gelu_new``, BLOOM's, GPT-NeoX's and MPT's exact one) or a ReLU (OPT's)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "relu2") -> None:
         super().__init__()
@@ -1878,6 +1966,8 @@ class PlainMLP(nn.Module):
             h = F.relu(h)
         elif self.activation == "gelu_new":  # step by step in the model's dtype, as transformers rounds it
             h = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        elif self.activation == "bloom_gelu":  # the same form, BLOOM's constants and order
+            h = h * 0.5 * (1.0 + torch.tanh(0.79788456 * h * (1 + 0.044715 * h * h)))
         else:
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.down_proj(h)
@@ -2087,6 +2177,7 @@ class CausalLM(nn.Module):
         self.norm = _norm(spec, spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=spec.lm_head_bias)
         self.embed_positions = nn.Embedding(spec.max_position, spec.hidden_size) if spec.learned_positions else None
+        self.embed_norm = _norm(spec, spec.hidden_size) if spec.embedding_norm else None  # BLOOM's
         self.per_layer_embed = self.per_layer_projection = self.per_layer_norm = None
         if spec.per_layer_input_size:  # Gemma 4 E2B, E4B: every layer's embedding of a token in one row
             width = spec.num_layers * spec.per_layer_input_size
@@ -2102,7 +2193,7 @@ class CausalLM(nn.Module):
     def _rotaries(self, max_len: int) -> None:
         """The rotary tables: every layer's, or (Gemma 3) the full-attention layers' in ``rotary``
         and the sliding-window layers' in ``local_rotary``; Ministral 3's and Llama 4's query scales
-        by position (``query_scales``, else None)."""
+        by position (``query_scales``, else None); ALiBi's slopes (each attention's ``alibi``)."""
         local = self.spec.local_rope()
         self.rotary = Rotary(self.spec.full_rope(), max_len)
         self.local_rotary = Rotary(local, max_len) if local is not None else None
@@ -2112,6 +2203,10 @@ class CausalLM(nn.Module):
         elif (tuning := self.spec.nope_temperature) is not None:
             scales = query_position_scales(*tuning, max_len, shift=1)
         self.register_buffer("query_scales", scales, persistent=False)  # moves with the model, as the tables do
+        if self.spec.alibi:
+            for layer in self.layers:
+                layer.self_attn.register_buffer("alibi", torch.tensor(self.spec.alibi, dtype=torch.float32),
+                                                persistent=False)
 
     def embed_scale(self, dtype: torch.dtype) -> float | None:
         """The embeddings' factor: Granite's as it is, Gemma's rounded to ``dtype`` (transformers
@@ -2180,6 +2275,8 @@ class CausalLM(nn.Module):
             x = x * scale
         if self.embed_positions is not None:  # GPT-2's: positions past the table are never admitted (context_length)
             x = x + self.embed_positions(positions)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         rope_dtype = torch.float32 if self.spec.float_rotary else x.dtype
         rope = self.rotary.tables(positions, rope_dtype, x.dtype if self.spec.rounded_rotary_tables else None)
         local = self.local_rotary.tables(positions, rope_dtype) if self.local_rotary is not None else rope
@@ -2223,6 +2320,8 @@ class CausalLM(nn.Module):
         if self.embed_positions is not None:
             weights.copy(self.embed_positions.weight, "embed_positions.weight",
                          weights.take("embed_positions.weight")[spec.position_table_offset:])
+        if self.embed_norm is not None:
+            _load_norm(self.embed_norm, "embed_norm", weights)
         rows, layout = spec.qkv_row_order(), spec.qk_layout()  # partial rotary: see qk_layout
 
         def reorder(value: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from .loader import cache_dir
 log = logging.getLogger("router.torch")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI = 21
+ABI = 22
 # No contraction of a * b + c into one fused operation where the source does not ask for it: GCC
 # fuses or not depending on how it vectorizes a loop, and a row must get the same bits whichever
 # of the kernel's loops (batch sizes) computed it.
@@ -86,7 +86,7 @@ class RkModel(ctypes.Structure):
         ("bits", ctypes.c_int), ("lm_head_bits", ctypes.c_int), ("kv_kind", ctypes.c_int),
         ("lora", ctypes.POINTER(RkLora)), ("num_adapters", _I), ("head_gates", ctypes.c_int),
         ("centered", ctypes.c_int), ("final_norm_bias", _P), ("lm_head_bias", _P), ("parallel", ctypes.c_int),
-        ("clip_qkv", ctypes.c_float),
+        ("clip_qkv", ctypes.c_float), ("alibi", _P),
     ]
 
 

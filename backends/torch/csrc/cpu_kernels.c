@@ -52,7 +52,7 @@
 #endif
 #endif
 
-int rk_abi(void) { return 21; }
+int rk_abi(void) { return 22; }
 
 int rk_threads(void) {
 #ifdef _OPENMP
@@ -427,11 +427,13 @@ static inline __attribute__((always_inline)) void weighted_values(
  * memory once for all the heads (GQA: 3 query heads share a KV head in SmolLM2), and a block's
  * rows are fetched while the one before is computed. Inlined once per element type, so each
  * loop reads its cache's type without a branch. softcap > 0: each score becomes
- * softcap tanh(score / softcap) before the softmax (Gemma 2). */
+ * softcap tanh(score / softcap) before the softmax (Gemma 2). alibi: each head's ALiBi slope (BLOOM,
+ * MPT, Falcon-RW), which times the key's distance back from the query (at end - 1) is taken from
+ * its score; NULL: none. */
 static inline __attribute__((always_inline)) void attend(
     const float *q, int64_t nh, const void *k_cache, const void *v_cache, const int64_t *tab, int64_t start,
     int64_t end, int64_t bs, int64_t stride, int64_t kvh, int64_t D, float scale, float softcap, const float *sinks,
-    float *s, int64_t ss, float *o, const int kind) {
+    const float *alibi, float *s, int64_t ss, float *o, const int kind) {
     const int64_t esize = kind == RK_F32 ? 4 : 2;
     float mx[RK_SHARE], inv[RK_SHARE];
     /* gpt-oss's sinks: each head's learned logit joins its softmax (in the maximum and the sum)
@@ -451,6 +453,8 @@ static inline __attribute__((always_inline)) void attend(
                     _mm256_storeu_ps(to, _mm256_mul_ps(v, _mm256_set1_ps(scale)));
                     if (softcap > 0.f)
                         for (int j = 0; j < 8; j++) to[j] = tanhf(to[j] / softcap) * softcap;
+                    if (alibi)
+                        for (int j = 0; j < 8; j++) to[j] += alibi[g] * (float)(p + i + j - (end - 1));
                     for (int j = 0; j < 8; j++) mx[g] = to[j] > mx[g] ? to[j] : mx[g];
                 }
 #endif
@@ -458,6 +462,7 @@ static inline __attribute__((always_inline)) void attend(
             for (int64_t g = 0; g < nh; g++) {
                 float v = dot(q + g * D, k_cache, at + i * stride, D, kind) * scale;
                 if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
+                if (alibi) v += alibi[g] * (float)(p + i - (end - 1));
                 s[g * ss + p - start + i] = v;
                 mx[g] = v > mx[g] ? v : mx[g];
             }
@@ -528,8 +533,8 @@ static inline __attribute__((always_inline)) void attend(
 static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH, int64_t D, const int64_t *pos,
                       const float *cos, const float *ssin, void *k_cache, void *v_cache, const int64_t *slot,
                       const int64_t *table, int64_t tw, const int64_t *tab_of, const int64_t *len, int64_t bs,
-                      int64_t window, float scale, float softcap, const float *sinks, const float *q_scales,
-                      int64_t max_len, int kind, float *scratch, float *out) {
+                      int64_t window, float scale, float softcap, const float *sinks, const float *alibi,
+                      const float *q_scales, int64_t max_len, int kind, float *scratch, float *out) {
     const int64_t group = H / KVH, stride = KVH * D;
     for (int64_t m = 0; m < M; m++) {
         float *row = qkv + m * qs;
@@ -558,15 +563,15 @@ static void attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KVH,
         const int64_t *tab = table + tab_of[m] * tw;
         const int64_t end = len[m], start = window > 0 && end > window ? end - window : 0;
         float *s = scratch + thread_index() * RK_SHARE * max_len, *o = out + m * H * D + h * D;
-        const float *sk = sinks ? sinks + h : NULL;
+        const float *sk = sinks ? sinks + h : NULL, *al = alibi ? alibi + h : NULL;
         if (kind == RK_F16)
-            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, sk, s, max_len, o,
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, sk, al, s, max_len, o,
                    RK_F16);
         else if (kind == RK_BF16)
-            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, sk, s, max_len, o,
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, sk, al, s, max_len, o,
                    RK_BF16);
         else
-            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, sk, s, max_len, o,
+            attend(q, nh, k_cache, v_cache, tab, start, end, bs, stride, kvh, D, scale, softcap, sk, al, s, max_len, o,
                    RK_F32);
     }
 }
@@ -579,7 +584,7 @@ int rk_decode_attention(float *qkv, int64_t M, int64_t qs, int64_t H, int64_t KV
     float *scratch = malloc((size_t)(rk_threads() * RK_SHARE * max_len) * sizeof(float));
     if (!scratch) return 0;
     attention(qkv, M, qs, H, KVH, D, pos, cos, ssin, k_cache, v_cache, slot, table, tw, tab_of, len, bs, window,
-              scale, softcap, NULL, NULL, max_len, kind, scratch, out);
+              scale, softcap, NULL, NULL, NULL, max_len, kind, scratch, out);
     free(scratch);
     return 1;
 }
@@ -1125,6 +1130,9 @@ typedef struct {
      * normed input (Cohere, Phi, GPT-J, Falcon 7B), 2: its own norm ln2 of it (GPT-NeoX, Falcon 40B) */
     int parallel;
     float clip_qkv; /* OLMo 1: q, k and v clamped to within it as they leave their projection; 0: none */
+    /* BLOOM, MPT, Falcon-RW: each query head's ALiBi slope [heads] (its scaled scores get slope times
+     * the key's position less the query's); NULL: none */
+    const float *alibi;
 } rk_model;
 
 /* gpt-oss's experts' activation for rows [gate (I) | up (I)], quantized: the gate clamped to at most
@@ -1471,7 +1479,7 @@ int rk_decode_step(const rk_model *md, int64_t M, float *x, const int64_t *pos, 
             const int rotated = l->q_norm && l->qk_norm_after_rotary;
             attention(qkv, M, qkv_size, md->heads, md->kv_heads, D, pos, rotated ? NULL : l->cos, l->sin, l->k_cache,
                       l->v_cache, slot,
-                      table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, md->q_scales,
+                      table, tw, tab_of, len, md->block_size, l->window, md->scale, md->softcap, l->sinks, md->alibi, md->q_scales,
                       max_len, md->kv_kind, scores, attn);
             if (gates) head_gates(qkv + qkv_size - gates, M, qkv_size, md->heads, D, attn);
             rk_quantize_rows(attn, M, attn_size, attn_size, l->o_kp, q, dq);

@@ -147,6 +147,14 @@ def _attend(
     the sink's share then dropped)."""
     if softcap is None and sinks is None and alibi is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if softcap is None and sinks is None and q.dtype == torch.float32:
+        # ALiBi's bias as SDPA's float mask: the same float32 sums, without the copies that the
+        # matmuls below make of keys and values gathered strided (a decode step of 8 rows over
+        # 1,000 positions: 25 against 50 ms a layer on 2 cores). A 16-bit mask would round the
+        # biases at their size: those models take the path below.
+        bias = alibi * torch.arange(1 - keys.shape[-2], 1, device=q.device, dtype=torch.float32)
+        bias = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap

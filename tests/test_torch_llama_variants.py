@@ -496,7 +496,10 @@ def test_alibi_specs():
                              ({"attn_config": {"alibi": False}}, "alibi false"),
                              ({"attn_config": {"attn_type": "multiquery_attention"}}, "multiquery_attention"),
                              ({"no_bias": False}, "no_bias false"), ({"logit_scale": 0.5}, "logit_scale"),
-                             ({"expansion_ratio": 3}, "expansion_ratio 3")):
+                             ({"expansion_ratio": 3}, "expansion_ratio 3"),
+                             ({"attn_config": {"sliding_window_size": 16}}, "sliding_window_size 16"),
+                             ({"attn_config": {"rope": True}}, "rope: a rotary"),
+                             ({"ffn_config": {"ffn_type": "mptglu"}}, "ffn_type `mptglu`")):
         with pytest.raises(ModelError, match=message):
             ModelSpec.from_hf_config(MptConfig(d_model=64, n_heads=4, **changes))
 

@@ -63,7 +63,7 @@ def test_qwen3_has_head_norms_and_its_own_head_dim():
     assert not spec(Qwen2Config).qk_norm
 
 
-@pytest.mark.parametrize("model_type", ["zamba2", "bloom", None])
+@pytest.mark.parametrize("model_type", ["zamba2", "rwkv", None])
 def test_other_model_types_are_refused_with_the_supported_list(model_type):
     cfg = SimpleNamespace(model_type=model_type, **SIZES, num_hidden_layers=2)
     with pytest.raises(ModelError, match="supported: llama, qwen2, qwen3, mistral, phi3"):

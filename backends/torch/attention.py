@@ -22,13 +22,14 @@ earlier keys of its own chunk of ``window`` positions (``p - p % window`` to ``p
 Gemma 2 caps its scores (``cap * tanh(score / cap)``) before the softmax, and gpt-oss adds a
 learned logit per head to each softmax (a "sink" that takes some of the weight and passes no
 value), neither of which SDPA can do: those layers compute the scores, the cap or the sink and
-the softmax as separate operations, as transformers' eager attention does. So do the ALiBi models'
-(BLOOM, MPT, Falcon-RW), whose heads add ``slope * (key position - query position)`` to their
-scores: a row's keys sit in position order, so each key's bias is its slope times its distance
-back from the row's last key, which differs from its distance to the query by the same amount for
-every key of the row, and the softmax does not see that (in float32, whatever the model's dtype,
-as vLLM's kernels add it: transformers adds BLOOM's and Falcon's, slope times absolute position,
-in the model's dtype).
+the softmax as separate operations, as transformers' eager attention does. The ALiBi models
+(BLOOM, MPT, Falcon-RW) add ``slope * (key position - query position)`` to each head's scores:
+a row's keys sit in position order, so each key's bias is its slope times its distance back from
+the row's last key, which differs from its distance to the query by the same amount for every key
+of the row, and the softmax does not see that. The biases are float32 whatever the model's dtype,
+as vLLM's kernels add them (transformers adds BLOOM's, slope times absolute position, in the
+model's dtype, and rounds Falcon's to bfloat16 in every dtype): SDPA's float mask for float32
+models, scores written out in 16-bit ones (a 16-bit mask would round them).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def _attend(
     shaped so) the same arithmetic written out as transformers' eager attention does it: scores,
     cap, ALiBi's bias (float32, each key's distance back from the last), mask, the softmax in
     float32 (with sinks: over the scores and the sink, less their maximum, in the scores' dtype;
-    the sink's share then dropped)."""
+    the sink's share then dropped). ALiBi alone in float32: SDPA with the bias as its float mask."""
     if softcap is None and sinks is None and alibi is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     if softcap is None and sinks is None and q.dtype == torch.float32:

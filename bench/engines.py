@@ -139,6 +139,10 @@ def run_router(engine: str, args: argparse.Namespace, workdir: Path) -> dict:
         levels = {}
         for c in args.levels:
             n = requests_for(c, args.requests_per_level)
+            if args.device == "cuda":
+                # A GPU loads each kernel on its first use (hundreds of ms for a new batch size,
+                # seen on the H200): one untimed round at this concurrency, as generate() gets.
+                http_load.warm_up(server.url, MODEL_NAME[engine], concurrency=c)
             log(f"{engine}: concurrency {c}, {n} requests x {args.max_tokens} tokens")
             meter = CpuMeter([server.proc.pid, "self"])  # the server and this load generator
             row = http_load.run_level(server.url, MODEL_NAME[engine], c, n, args.max_tokens, engine)

@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> None:
         for level, n_requests in zip(args.levels, args.requests):
             timings: list[RequestTiming] = []
             busy = 0.0
+            if device.type == "cuda":
+                # The first batch of a new size ran 2-5x slower than the next on the H200 (each
+                # kernel loaded on its first use): one untimed batch of this level first.
+                timed(lambda: model.generate(**encode(range(min(level, n_requests))), generation_config=config(n_tokens)))
             meter = CpuMeter(["self"])
             for first in range(0, n_requests, level):
                 batch = range(first, min(first + level, n_requests))

@@ -112,6 +112,7 @@ def run_level(url: str, model: str, concurrency: int, n_requests: int, max_token
     return asyncio.run(_run_level(url, model, concurrency, n_requests, max_tokens, label, extra))
 
 
-def warm_up(url: str, model: str, max_tokens: int = 8) -> None:
-    """One short request, so the first measured one does not pay for lazy start-up work."""
-    asyncio.run(_run_level(url, model, 1, 1, max_tokens, "warm-up"))
+def warm_up(url: str, model: str, max_tokens: int = 8, concurrency: int = 1) -> None:
+    """``concurrency`` short requests at once, so the first measured ones do not pay for lazy
+    start-up work (on a GPU, each kernel's first use of a shape: bench/engines.py)."""
+    asyncio.run(_run_level(url, model, concurrency, concurrency, max_tokens, "warm-up"))

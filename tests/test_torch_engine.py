@@ -341,3 +341,18 @@ def test_a_failing_scheduler_fails_its_requests_instead_of_hanging_them(tmp_path
             run(generate(engine, [5, 6], 2))
     finally:
         run(engine.stop())
+
+
+def test_cuda_without_an_index_names_the_current_device(monkeypatch):
+    """``torch.cuda.set_device`` refuses a bare ``cuda`` (torch 2.11 on the H200): the engine's
+    device always carries an index, the current device's, and an index past the GPUs is refused."""
+    from backends.torch.setup import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda") == pick_device("auto") == torch.device("cuda", 1)
+    assert pick_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match="cuda:2.*has 2 CUDA device"):
+        pick_device("cuda:2")
+    assert pick_device("cpu") == torch.device("cpu")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -645,7 +646,9 @@ def tiny_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     if arch in ("glm4_moe", "ernie4_5_moe"):
         _add_mtp_layer(folder / "model.safetensors", config.num_hidden_layers, arch == "ernie4_5_moe")
-    src = smollm2_folder()
+    # ROUTER_TEST_TOKENIZER: a folder with SmolLM2's tokenizer, where the GGUF is not at hand (a
+    # GPU machine's check: bench/gpu/device_check.sh)
+    src = Path(os.environ.get("ROUTER_TEST_TOKENIZER") or smollm2_folder())
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (src / name).exists():
             shutil.copy(src / name, folder / name)

@@ -19,11 +19,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device `{name}` asked for, but CUDA is not available")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device `{name}` asked for, but CUDA is not available")
+        if device.index is None:  # torch.cuda.set_device and graph captures need an index
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise RuntimeError(f"device `{name}` asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 

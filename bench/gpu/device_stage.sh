@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The first device call (bench/gpu/README.md): keeps the wheels, the dist-info and the first half
-# of the GGUF on the machine for the second call, which must follow while it is still warm.
+# Device call 2 (bench/gpu/README.md), carrying .gpu/g1, right after device_check.sh: keeps the
+# GGUF's first half on the machine for device_run.sh, which must follow while it is still warm.
 set -euo pipefail
-mkdir -p /tmp/gpu
-cp -r .gpu/a/. /tmp/gpu/
+[ -d /tmp/gpu/site ] || { echo "no /tmp/gpu/site: run device_check.sh just before"; exit 2; }
+cp .gpu/g1/gguf.1 /tmp/gpu/
 ls -la /tmp/gpu

@@ -5,7 +5,10 @@ the prefill chunks, one span per sequence. Each layer writes the new keys and va
 cache slots, then attends:
 
 - decode tokens together, over each sequence's cached keys (padded to the longest, masked);
-- each prefill chunk over its sequence's cached prefix plus itself, causally.
+- each prefill chunk over its sequence's cached prefix plus itself, causally; where a step holds
+  several chunks, those of like sizes together in one padded batch (:class:`PrefillBatch`), so a
+  layer launches each kernel once for all of them, not once a chunk (on the H200, eager steps
+  cost tens of microseconds a launch: 64 prompts' spans in 30 layers made thousands).
 
 Keys and values live in ``[num_slots, kv_heads, head_dim]`` tensors per layer; a sequence's slots
 are ``block * block_size + offset`` for the blocks of its block table. Under multi-head latent
@@ -53,6 +56,36 @@ class PrefillSpan:
     # (tokens, slot), in order of tokens, the state after the chunk's first ``tokens`` tokens is
     # copied to state slot ``slot``.
     keeps: tuple[tuple[int, int], ...] = ()
+    batched: bool = False  # attended to in one of the step's PrefillBatches (layers that can)
+
+
+@dataclass(slots=True)
+class PrefillBatch:
+    """Prefill chunks of several sequences attended to together: queries padded to the longest
+    chunk (``L`` rows a sequence), keys to the widest context (``C``). A padding query sits at
+    position 0 (it sees one key, so no row of scores is all masked) and is dropped after.
+    Layers with capped scores, sinks or ALiBi keep to the spans."""
+
+    queries: torch.Tensor  # [B * L] the step row of each padded query (padding: its chunk's first row)
+    slots: torch.Tensor  # [B, C] cache slot of each key (padding: any of the sequence's, masked)
+    mask: torch.Tensor | None  # [B, L, C] True = attend (full attention's; None: no such layers)
+    window_mask: torch.Tensor | None  # the same for sliding-window layers
+    rows: torch.Tensor  # [n] the step rows the chunks' outputs go to
+    picks: torch.Tensor  # [n] where each of those sits among the B * L padded queries
+    folded: dict[tuple[bool, int], torch.Tensor | None] = field(default_factory=dict)  # masks by (sliding, group)
+
+    def folded_mask(self, sliding: bool, group: int) -> torch.Tensor | None:
+        """``[B, 1, group * L, C]``: the mask for queries whose ``group`` heads sharing a KV
+        head are folded into rows, as :func:`_decode` folds them (equal head counts, which every
+        SDPA backend takes)."""
+        key = (sliding, group)
+        if key not in self.folded:
+            mask = self.window_mask if sliding else self.mask
+            if mask is not None:
+                b, n, c = mask.shape
+                mask = mask[:, None, None].expand(b, 1, group, n, c).reshape(b, 1, group * n, c)
+            self.folded[key] = mask
+        return self.folded[key]
 
 
 @dataclass(slots=True)
@@ -67,6 +100,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] or None (no padding)
     decode_window_mask: torch.Tensor | None = None  # the same for sliding-window layers
     prefills: list[PrefillSpan] = field(default_factory=list)
+    prefill_batches: list[PrefillBatch] = field(default_factory=list)  # of the spans marked ``batched``
     # Models with short convolutions (:mod:`.conv`): each row's window of cache slots
     # [tokens, kernel] and which of them lie in its sequence.
     conv_slots: torch.Tensor | None = None
@@ -120,7 +154,13 @@ def paged_attention(
         out[: meta.num_decode] = _decode(
             q[: meta.num_decode], k_cache, v_cache, meta, decode_mask, scale, softcap, sinks, alibi
         )
+    batched = softcap is None and sinks is None and alibi is None
+    if batched:
+        for batch in meta.prefill_batches:
+            out.index_copy_(0, batch.rows, _prefill_batch(q, k_cache, v_cache, batch, sliding, scale))
     for span in meta.prefills:
+        if batched and span.batched:
+            continue
         mask = span.window_mask if sliding else span.mask
         out[span.start : span.end] = _prefill(
             q[span.start : span.end], k_cache, v_cache, span.slots, mask, scale, softcap, sinks, alibi
@@ -191,6 +231,114 @@ def _decode(
     slope = alibi.view(kv_heads, group, 1) if alibi is not None else None
     out = _attend(q.reshape(n, kv_heads, group, dim), keys, values, mask, scale, softcap, sink, slope)
     return out.reshape(n, kv_heads * group, -1)
+
+
+GATHER_BYTES = 512 << 20
+"""Keys and values one layer's attention gathers at most in one go: a decode graph's (graphs.py)
+or a prefill batch's."""
+
+PREFILL_BATCH_SCORES = 1 << 26
+"""The most query-key pairs, times query heads, one prefill batch covers, its padding counted
+(256 MiB of float32 scores, where a backend writes them out)."""
+
+SMALL_CHUNKS = 1 << 16
+"""Chunks whose queries times keys are at most this many batch whatever their padding costs:
+launches, not arithmetic, are what such a chunk's attention costs."""
+
+BATCHED_CHUNK = 1 << 20
+"""Chunks whose queries times keys are more than this (a fresh prompt of over 1,024 tokens) stay
+alone: their arithmetic outweighs a few launches, and alone and without a prefix they take
+SDPA's plain causal kernels (flash attention on a GPU), which skip the masked half."""
+
+
+def position_bytes(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> int:
+    """Bytes of one position's key and value (latent attention: its key alone, the values
+    within it) in the widest layer (Gemma 4's full layers are wider than its sliding ones)."""
+    return max((1 if values_in_keys(k, v) else 2) * k.shape[1] * k.shape[2] * k.element_size()
+               for k, v in zip(k_caches, v_caches))
+
+
+def batch_prefills(spans: list[PrefillSpan], contexts: list[int], tables: list[list[int]], offsets: torch.Tensor,
+                   full: bool, windowed: bool, window: int | None, chunked: bool, heads: int,
+                   key_bytes: int) -> list[PrefillBatch]:
+    """The step's prefill ``spans`` (each ending at position ``contexts[i]`` of a sequence whose
+    blocks are ``tables[i]``; ``offsets``: ``arange(block size)`` on the device) in batches of
+    like sizes: the widest contexts first, a span joining the batch while its padded scores fit
+    :data:`PREFILL_BATCH_SCORES` (``heads`` query heads), its keys :data:`GATHER_BYTES`
+    (``key_bytes`` a position) and no member's padded share is more than twice its own work
+    (small chunks: any padding; chunks over :data:`BATCHED_CHUNK`: none). A span left alone stays
+    a span; those batched are marked ``batched``."""
+    groups: list[list[int]] = []
+    sizes = [(span.end - span.start) * context for span, context in zip(spans, contexts)]
+    for i in sorted((i for i in range(len(spans)) if sizes[i] <= BATCHED_CHUNK), key=lambda i: -contexts[i]):
+        trial = [*groups[-1], i] if groups else [i]
+        length = max(spans[j].end - spans[j].start for j in trial)
+        context = contexts[trial[0]]
+        least = min(sizes[j] for j in trial)
+        fits = (len(trial) * length * context * heads <= PREFILL_BATCH_SCORES
+                and len(trial) * context * key_bytes <= GATHER_BYTES
+                and length * context <= max(SMALL_CHUNKS, 2 * least))
+        if groups and fits:
+            groups[-1] = trial
+        else:
+            groups.append([i])
+    return [_prefill_batch_of(sorted(g), spans, contexts, tables, offsets, full, windowed, window, chunked)
+            for g in groups if len(g) > 1]
+
+
+def _prefill_batch_of(group: list[int], spans: list[PrefillSpan], contexts: list[int], tables: list[list[int]],
+                      offsets: torch.Tensor, full: bool, windowed: bool, window: int | None,
+                      chunked: bool) -> PrefillBatch:
+    dev, bs = offsets.device, offsets.numel()
+    length = max(spans[i].end - spans[i].start for i in group)
+    context = max(contexts[i] for i in group)
+    blocks = -(-context // bs)
+    queries: list[int] = []
+    rows: list[int] = []
+    picks: list[int] = []
+    padded_tables, info = [], []
+    for k, i in enumerate(group):
+        span = spans[i]
+        n = span.end - span.start
+        queries += [*range(span.start, span.end), *[span.start] * (length - n)]
+        rows += range(span.start, span.end)
+        picks += range(k * length, k * length + n)
+        table = tables[i][:blocks]
+        padded_tables.append(table + [table[0]] * (blocks - len(table)))
+        info.append((contexts[i] - n, n))  # the chunk's first position, its length
+        span.batched = True
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(dev, non_blocking=True)  # noqa: E731
+    table, info_ = as_tensor(padded_tables), as_tensor(info)
+    slots = (table[:, :, None] * bs + offsets).view(len(group), -1)[:, :context]
+    col = torch.arange(length, device=dev)[None, :]
+    q_pos = torch.where(col < info_[:, 1:2], info_[:, 0:1] + col, 0)[:, :, None]  # padding queries at position 0
+    k_pos = torch.arange(context, device=dev)[None, None, :]
+    mask = k_pos <= q_pos  # a real query's keys past its context are past its position too
+    return PrefillBatch(as_tensor(queries), slots, mask if full else None,
+                        mask & in_window(q_pos, k_pos, window, chunked) if windowed else None,
+                        as_tensor(rows), as_tensor(picks))
+
+
+def _prefill_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PrefillBatch,
+                   sliding: bool, scale: float) -> torch.Tensor:
+    """``[n, heads, dim]``: the outputs of ``batch``'s chunks, in the order of ``batch.rows``."""
+    b, context = batch.slots.shape
+    length = batch.queries.numel() // b
+    heads, dim = q.shape[1:]
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    idx = batch.slots.reshape(-1)
+    keys = k_cache.index_select(0, idx).to(q.dtype).view(b, context, kv_heads, -1).transpose(1, 2)
+    if values_in_keys(k_cache, v_cache):
+        values = keys[..., : v_cache.shape[-1]]
+    else:
+        values = v_cache.index_select(0, idx).to(q.dtype).view(b, context, kv_heads, -1).transpose(1, 2)
+    # [B, kv_heads, group * L, dim]: row g * L + i is query i of head j * group + g.
+    rows = q.index_select(0, batch.queries).view(b, length, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    out = F.scaled_dot_product_attention(rows.reshape(b, kv_heads, group * length, dim), keys, values,
+                                         attn_mask=batch.folded_mask(sliding, group), scale=scale)
+    out = out.view(b, kv_heads, group, length, -1).permute(0, 3, 1, 2, 4).reshape(b * length, heads, -1)
+    return out.index_select(0, batch.picks)
 
 
 def _prefill(
@@ -307,7 +455,7 @@ def only_rows(meta: AttentionMetadata, rows: list[int]) -> AttentionMetadata | N
     index = torch.tensor(rows, dtype=torch.long).to(meta.slot_mapping.device, non_blocking=True)
     # Per-row state (convolution windows, state slots, prompt rows, kept states) is not cut: no
     # model with layers that keep no cache of their own has any.
-    return replace(meta, slot_mapping=meta.slot_mapping[index], prefills=spans, wanted_rows=None)
+    return replace(meta, slot_mapping=meta.slot_mapping[index], prefills=spans, prefill_batches=[], wanted_rows=None)
 
 
 def decode_mask(lengths: torch.Tensor, context: int, window: int | None, chunked: bool = False) -> torch.Tensor | None:

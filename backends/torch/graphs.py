@@ -38,12 +38,11 @@ from typing import Any
 
 import torch
 
-from .attention import AttentionMetadata, in_window, values_in_keys
+from .attention import GATHER_BYTES, AttentionMetadata, in_window, position_bytes
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import Step, StepRows
 
-GATHER_BYTES = 512 << 20  # keys and values one layer's attention gathers, at most, in a graph
 
 log = logging.getLogger("router.torch")
 _capturing = threading.Lock()  # one CUDA graph capture at a time in the process
@@ -99,12 +98,8 @@ class DecodeGraphs:
         self.kv = kv
         self.device = device
         self.capture = capture
-        # A key and a value (latent attention: one, the values a view of the keys) of the widest
-        # layer (Gemma 4's full layers are wider than its first, sliding one)
-        per_position = max((1 if values_in_keys(k, v) else 2) * k.shape[1] * k.shape[2] * k.element_size()
-                           for k, v in zip(kv.k, kv.v))
         # Key positions one graph may gather per layer (batch x context).
-        self.max_gather = max_gather if max_gather is not None else GATHER_BYTES // per_position
+        self.max_gather = max_gather if max_gather is not None else GATHER_BYTES // position_bytes(kv.k, kv.v)
         self.batches = batch_buckets(max_batch)
         self.blocks = block_buckets(max_blocks)
         self.window, self.chunked = model.spec.sliding_window, model.spec.chunked_windows

@@ -37,5 +37,7 @@ ROUTER_TEST_TOKENIZER="$S/smol" timeout "${T_TESTS:-150}" python3 -m pytest -q -
     -k "not smollm2 and not prompt_logprobs" tests/test_torch_cuda.py 2>&1 | tee "$OUT/pytest.txt"
 timeout "${T_GRAPHS:-130}" python3 bench/engines.py --model "$S/smol" --device cuda --skip llamacpp \
     --levels 1,8,32,64 --json "$OUT/graphs.json" 2>&1 | tee "$OUT/engines_graphs.txt"
+timeout "${T_PREFILL:-60}" python3 bench/prefill_step.py --device cuda --model "$S/smol" --prompts 1,8,64 --repeats 3 \
+    2>&1 | tee "$OUT/prefill_step.txt"
 timeout "${T_EAGER:-90}" python3 bench/engines.py --model "$S/smol" --device cuda --skip llamacpp,hf \
     --levels 1,8,32 --no-cuda-graphs --json "$OUT/eager.json" 2>&1 | tee "$OUT/engines_eager.txt"

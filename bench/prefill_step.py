@@ -1,6 +1,7 @@
-"""Time of one prefill step of many prompts inside the torch engine (no HTTP): each chunk's
-attention alone (``spans``) against chunks of like sizes in one padded batch (``batched``,
-attention.PrefillBatch), in the same process, alternating.
+"""Time for many prompts to get their first token together inside the torch engine (no HTTP):
+one prefill step and the engine's own work around it, each chunk's attention alone (``spans``)
+against chunks of like sizes in one padded batch (``batched``, attention.PrefillBatch), in the
+same process, alternating; and the torch operations that step dispatches.
 
 ``prompts`` fresh prompts of ``--length`` random tokens (new ones each time: no prefix cache
 hits) go in at once, each for one token: one step prefills them all (``max_batched_tokens`` is set

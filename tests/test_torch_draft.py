@@ -37,7 +37,13 @@ def spec_stats(engine):
     return stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
 
 
-def test_the_model_as_its_own_draft_keeps_every_guess_and_matches_transformers(models):
+def test_the_model_as_its_own_draft_keeps_every_guess_and_matches_transformers(models, monkeypatch):
+    from backends.torch import attention
+
+    batched = []  # (rows of the pass, rows batched): the draft's guessing passes batch their one-token chunks
+    real = attention._prefill_batch
+    monkeypatch.setattr(attention, "_prefill_batch", lambda q, k, v, b, *a: batched.append((q.shape[0], b.rows.numel()))
+                        or real(q, k, v, b, *a))
     target, _ = models
     engine = small(target, speculative_config=draft_config(target))
     prompts = random_prompts(5, [9, 23, 5, 14])
@@ -54,6 +60,7 @@ def test_the_model_as_its_own_draft_keeps_every_guess_and_matches_transformers(m
     assert alone == hf_greedy(target, prompts[0], 20)
     assert together == [hf_greedy(target, p, 16) for p in prompts]
     assert drafted > 40 and kept == drafted  # greedy against itself: every guess holds
+    assert (len(prompts), len(prompts)) in batched  # a guessing pass of the four sequences, one batch
 
 
 @pytest.fixture(scope="module")

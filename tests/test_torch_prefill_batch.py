@@ -4,6 +4,7 @@ prefixes, windows, head groups and cache types; and which chunks batch together.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -36,10 +37,12 @@ def reference(q, keys, values, first, scale, window=None, chunked=False):
 
 
 def step(chunks, heads=6, kv_heads=2, dim=8, v_dim=None, cache_dtype=torch.float32, window=None, chunked=False,
-         seed=0):
-    """A step of prefill ``chunks`` ((prefix, new) tokens a sequence) over a paged cache holding
-    each prefix: the queries, the new keys and values, the metadata with its spans and their
-    batches, and each chunk's float64 reference outputs (full attention, and within ``window``)."""
+         seed=0, decode=(), spare_blocks=0):
+    """A step of ``decode`` rows (one new token after a prefix of each given length) and prefill
+    ``chunks`` ((prefix, new) tokens a sequence) over a paged cache holding each prefix: the
+    queries, the new keys and values, the metadata with its spans and their batches, and each
+    sequence's float64 reference outputs (full attention, and within ``window``), decoding ones
+    first. ``spare_blocks``: block tables that long past what their contexts need."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     latent = v_dim is not None  # the values the keys' first v_dim dimensions (one cache)
@@ -49,10 +52,11 @@ def step(chunks, heads=6, kv_heads=2, dim=8, v_dim=None, cache_dtype=torch.float
     rnd.shuffle(free)
     offsets = torch.arange(BS)
     qs, ks, vs, slots, spans, contexts, tables, refs = [], [], [], [], [], [], [], []
+    decode_slots = []
     row = 0
-    for prefix, new in chunks:
+    for prefix, new in [*((d, 1) for d in decode), *chunks]:
         context = prefix + new
-        table = [free.pop() for _ in range(-(-context // BS))]
+        table = [free.pop() for _ in range(-(-context // BS) + spare_blocks)]
         seq_slots = [table[p // BS] * BS + p % BS for p in range(context)]
         keys = torch.randn(context, kv_heads, dim, generator=gen).to(cache_dtype).float()
         values = keys[..., :v_dim] if latent else torch.randn(context, kv_heads, dim, generator=gen).to(cache_dtype).float()
@@ -64,14 +68,25 @@ def step(chunks, heads=6, kv_heads=2, dim=8, v_dim=None, cache_dtype=torch.float
         ks.append(keys[prefix:])
         vs.append(values[prefix:] if not latent else None)
         slots += seq_slots[prefix:]
-        spans.append(prefill_span(row, table, new, context, offsets, True, window is not None, window, chunked))
-        contexts.append(context)
-        tables.append(table)
+        if row < len(decode):
+            decode_slots.append(seq_slots)
+        else:
+            spans.append(prefill_span(row, table, new, context, offsets, True, window is not None, window, chunked))
+            contexts.append(context)
+            tables.append(table)
         scale = dim**-0.5
         refs.append((reference(q, keys, values, prefix, scale),
                      reference(q, keys, values, prefix, scale, window, chunked) if window is not None else None))
         row += new
     meta = AttentionMetadata([k_cache], [v_cache], torch.tensor(slots), prefills=spans)
+    if decode:
+        widest = max(len(d) for d in decode_slots)
+        meta.num_decode = len(decode)
+        meta.decode_slots = torch.tensor([d + [d[0]] * (widest - len(d)) for d in decode_slots])
+        lengths = torch.tensor([len(d) for d in decode_slots])
+        meta.decode_mask = attention.decode_mask(lengths, widest, None)
+        if window is not None:
+            meta.decode_window_mask = attention.decode_mask(lengths, widest, window, chunked)
     meta.prefill_batches = batch_prefills(spans, contexts, tables, offsets, True, window is not None, window, chunked,
                                           heads, 2 * kv_heads * dim * 4)
     k, v = torch.cat(ks), (None if latent else torch.cat(vs))
@@ -81,14 +96,16 @@ def step(chunks, heads=6, kv_heads=2, dim=8, v_dim=None, cache_dtype=torch.float
 def per_span(meta):
     """The same metadata with no batches: every chunk attended to alone."""
     spans = [PrefillSpan(s.start, s.end, s.slots, s.mask, s.window_mask) for s in meta.prefills]
-    return AttentionMetadata(meta.k_cache, meta.v_cache, meta.slot_mapping, prefills=spans)
+    return dataclasses.replace(meta, prefills=spans, prefill_batches=[])
 
 
 def check(q, k, v, meta, refs, sliding=False, atol=1e-5):
     out = paged_attention(q, k, v, meta, 0, q.shape[-1] ** -0.5, sliding=sliding)
-    for span, ref in zip(meta.prefills, refs):
+    bounds = [*((i, i + 1) for i in range(meta.num_decode)), *((s.start, s.end) for s in meta.prefills)]
+    assert len(bounds) == len(refs)
+    for (start, end), ref in zip(bounds, refs):
         want = ref[1] if sliding else ref[0]
-        assert torch.allclose(out[span.start : span.end].double(), want, atol=atol), (span.start, span.end)
+        assert torch.allclose(out[start:end].double(), want, atol=atol), (start, end)
     return out
 
 
@@ -132,17 +149,38 @@ def test_batched_chunks_with_latent_values_and_a_16_bit_cache():
     check(q, k, v, meta, refs, atol=1e-3)
 
 
-def test_layers_that_write_scores_out_keep_to_the_spans(monkeypatch):
-    """Capped scores, sinks and ALiBi are the spans' path (transformers' arithmetic): with a
-    softcap the batch is not used, and the outputs are each span's."""
+@pytest.mark.parametrize("written_out", ["softcap", "sinks", "alibi"])
+def test_layers_that_write_scores_out_keep_to_the_spans(monkeypatch, written_out):
+    """Capped scores, sinks and ALiBi are the spans' path (transformers' arithmetic): the batch
+    is not used, and every chunk, batched ones too, gets what it gets alone."""
     calls = []
     real = attention._prefill_batch
     monkeypatch.setattr(attention, "_prefill_batch", lambda *a: calls.append(1) or real(*a))
-    q, k, v, meta, _ = step(MIXES["fresh prompts"])
-    paged_attention(q, k, v, meta, 0, 0.3, softcap=30.0)
+    extra = {"softcap": dict(softcap=0.5), "sinks": dict(sinks=torch.linspace(-1, 1, 6)),
+             "alibi": dict(alibi=torch.linspace(0.1, 0.6, 6))}[written_out]
+    q, k, v, meta, _ = step(MIXES["prefixes and fresh"], decode=(6,))
+    assert meta.prefill_batches
+    out = paged_attention(q, k, v, meta, 0, 0.3, **extra)
     assert not calls
+    q, k, v, alone, _ = step(MIXES["prefixes and fresh"], decode=(6,))
+    assert torch.equal(out, paged_attention(q, k, v, per_span(alone), 0, 0.3, **extra))
     paged_attention(q, k, v, meta, 0, 0.3)
     assert calls == [1]
+
+
+def test_decode_rows_several_batches_and_spans_left_alone_in_one_step(monkeypatch):
+    """Decoding rows first, then chunks that make two batches and two that stay alone (one too
+    long to batch, one padded too much beside the rest), block tables longer than their
+    contexts need: every row as attention over its own sequence gives it."""
+    monkeypatch.setattr(attention, "SMALL_CHUNKS", 16)  # the rules at this test's scale
+    monkeypatch.setattr(attention, "BATCHED_CHUNK", 1000)
+    mix = [(0, 40), (0, 20), (2, 18), (0, 3), (1, 2), (4, 1), (0, 9)]
+    q, k, v, meta, refs = step(mix, decode=(5, 11), spare_blocks=3, window=4)
+    assert [s.batched for s in meta.prefills] == [False, True, True, True, True, True, False]
+    assert sorted(b.rows.numel() for b in meta.prefill_batches) == [1 + 3 + 2, 20 + 18]
+    check(q, k, v, meta, refs)
+    q, k, v, meta, refs = step(mix, decode=(5, 11), spare_blocks=3, window=4)
+    check(q, k, v, meta, refs, sliding=True)
 
 
 def spans_of(sizes):
@@ -194,6 +232,23 @@ def test_chunks_of_over_a_million_scores_stay_spans():
     found, spans = groups([(0, 1025), (0, 1025), (0, 1000), (0, 1000), (1, 1024)])
     assert found == [rows_of(spans, 2, 3)]
     assert [s.batched for s in spans] == [False, False, True, True, False]
+
+
+def test_a_newcomer_may_not_pad_an_earlier_member_past_twice_its_work(monkeypatch):
+    # Contexts 100, 60 and 50: 20 queries over 100 keys pad the second chunk's 20 x 60 = 1,200
+    # to 2,000 (fine); 25 queries would pad it to 2,500, over twice its work, though not the
+    # first's (2,000) nor the newcomer's own (1,250).
+    monkeypatch.setattr(attention, "SMALL_CHUNKS", 16)
+    (batch,), spans = groups([(80, 20), (40, 20), (25, 25)])
+    assert batch == rows_of(spans, 0, 1) and not spans[2].batched
+
+
+def test_a_chunk_joins_the_first_batch_it_fits_not_only_the_last():
+    """Drafts' verify rows (5 tokens) interleaved by context with prompt chunks of 300: two
+    batches, one of each kind."""
+    sizes = [x for i in range(8) for x in ((1995 + 10 * i, 5), (1705 + 10 * i, 300))]
+    found, spans = groups(sizes, key_bytes=64)
+    assert found == [rows_of(spans, *range(0, 16, 2)), rows_of(spans, *range(1, 16, 2))]
 
 
 def test_one_chunk_is_never_a_batch():

@@ -7,8 +7,8 @@ cache slots, then attends:
 - decode tokens together, over each sequence's cached keys (padded to the longest, masked);
 - each prefill chunk over its sequence's cached prefix plus itself, causally; where a step holds
   several chunks, those of like sizes together in one padded batch (:class:`PrefillBatch`), so a
-  layer launches each kernel once for all of them, not once a chunk (on the H200, eager steps
-  cost tens of microseconds a launch: 64 prompts' spans in 30 layers made thousands).
+  layer launches each kernel once for all of them, not once a chunk (on the H200 an eager step
+  cost up to some 16 microseconds an operation, and 64 prompts' spans in 30 layers made 30,000).
 
 Keys and values live in ``[num_slots, kv_heads, head_dim]`` tensors per layer; a sequence's slots
 are ``block * block_size + offset`` for the blocks of its block table. Under multi-head latent
@@ -72,19 +72,23 @@ class PrefillBatch:
     window_mask: torch.Tensor | None  # the same for sliding-window layers
     rows: torch.Tensor  # [n] the step rows the chunks' outputs go to
     picks: torch.Tensor  # [n] where each of those sits among the B * L padded queries
-    folded: dict[tuple[bool, int], torch.Tensor | None] = field(default_factory=dict)  # masks by (sliding, group)
+    folded: dict[tuple[bool, int, torch.dtype], torch.Tensor] = field(default_factory=dict)  # by (sliding, group, dtype)
 
-    def folded_mask(self, sliding: bool, group: int) -> torch.Tensor | None:
+    def folded_mask(self, sliding: bool, group: int, dtype: torch.dtype) -> torch.Tensor:
         """``[B, 1, group * L, C]``: the mask for queries whose ``group`` heads sharing a KV
         head are folded into rows, as :func:`_decode` folds them (equal head counts, which every
-        SDPA backend takes)."""
-        key = (sliding, group)
+        SDPA backend takes), made once a step for all layers: additive (0 or -inf) in the
+        queries' ``dtype``, which SDPA would otherwise make of a boolean mask at every call, and
+        its rows 16 keys apart in memory (CUDA's memory-efficient kernel asks that, else copies)."""
+        key = (sliding, group, dtype)
         if key not in self.folded:
             mask = self.window_mask if sliding else self.mask
-            if mask is not None:
-                b, n, c = mask.shape
-                mask = mask[:, None, None].expand(b, 1, group, n, c).reshape(b, 1, group * n, c)
-            self.folded[key] = mask
+            if mask is None:
+                raise ValueError("a prefill batch without the mask its layer needs")  # runner: mask_kinds
+            b, n, c = mask.shape
+            wide = torch.full((b, 1, group * n, -(-c // 16) * 16), float("-inf"), dtype=dtype, device=mask.device)
+            wide.view(b, 1, group, n, -1)[..., :c].masked_fill_(mask[:, None, None], 0.0)
+            self.folded[key] = wide[..., :c]
         return self.folded[key]
 
 
@@ -242,8 +246,8 @@ PREFILL_BATCH_SCORES = 1 << 26
 (256 MiB of float32 scores, where a backend writes them out)."""
 
 SMALL_CHUNKS = 1 << 16
-"""Chunks whose queries times keys are at most this many batch whatever their padding costs:
-launches, not arithmetic, are what such a chunk's attention costs."""
+"""A batch whose padded chunk (its longest times its widest context) is at most this many
+queries times keys takes any padding: launches, not arithmetic, are what its attention costs."""
 
 BATCHED_CHUNK = 1 << 20
 """Chunks whose queries times keys are more than this (a fresh prompt of over 1,024 tokens) stay
@@ -258,32 +262,78 @@ def position_bytes(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -
                for k, v in zip(k_caches, v_caches))
 
 
+class PrefillBatcher:
+    """What :func:`batch_prefills` needs of a model and its cache, settled once: whether any of
+    its layers can take batches (not where all write their scores out: Gemma 2's caps, gpt-oss's
+    sinks, ALiBi), its query heads, and a gathered position's bytes (in the cache's type, and
+    again widened to the model's where that is wider). ``spec``: the model's ModelSpec."""
+
+    def __init__(self, spec: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], dtype: torch.dtype) -> None:
+        self.enabled = spec.attn_softcap is None and not spec.attention_sinks and not spec.alibi
+        self.heads = spec.num_heads
+        self.full_layers, self.window_layers = spec.mask_kinds
+        self.window, self.chunked = spec.sliding_window, spec.chunked_windows
+        cache, compute = k_caches[0].element_size(), dtype.itemsize
+        self.key_bytes = position_bytes(k_caches, v_caches) * (1 + compute // cache if compute > cache else 1)
+
+    def __call__(self, spans: list[PrefillSpan], contexts: list[int], tables: list[list[int]],
+                 offsets: torch.Tensor) -> list[PrefillBatch]:
+        """The batches of a step's ``spans`` (:func:`batch_prefills`), none where it has one."""
+        if not self.enabled or len(spans) < 2:
+            return []
+        return batch_prefills(spans, contexts, tables, offsets, self.full_layers, self.window_layers, self.window,
+                              self.chunked, self.heads, self.key_bytes)
+
+
 def batch_prefills(spans: list[PrefillSpan], contexts: list[int], tables: list[list[int]], offsets: torch.Tensor,
                    full: bool, windowed: bool, window: int | None, chunked: bool, heads: int,
                    key_bytes: int) -> list[PrefillBatch]:
     """The step's prefill ``spans`` (each ending at position ``contexts[i]`` of a sequence whose
     blocks are ``tables[i]``; ``offsets``: ``arange(block size)`` on the device) in batches of
-    like sizes: the widest contexts first, a span joining the batch while its padded scores fit
-    :data:`PREFILL_BATCH_SCORES` (``heads`` query heads), its keys :data:`GATHER_BYTES`
-    (``key_bytes`` a position) and no member's padded share is more than twice its own work
-    (small chunks: any padding; chunks over :data:`BATCHED_CHUNK`: none). A span left alone stays
-    a span; those batched are marked ``batched``."""
-    groups: list[list[int]] = []
+    like sizes: the widest contexts first, each span joining the first batch it fits (the most
+    recent :data:`_GROUPS_TRIED`), else starting one (:class:`_Group` says what fits). Chunks over
+    :data:`BATCHED_CHUNK` stay alone. A span left alone stays a span; those batched are marked
+    ``batched``."""
+    groups: list[_Group] = []
     sizes = [(span.end - span.start) * context for span, context in zip(spans, contexts)]
     for i in sorted((i for i in range(len(spans)) if sizes[i] <= BATCHED_CHUNK), key=lambda i: -contexts[i]):
-        trial = [*groups[-1], i] if groups else [i]
-        length = max(spans[j].end - spans[j].start for j in trial)
-        context = contexts[trial[0]]
-        least = min(sizes[j] for j in trial)
-        fits = (len(trial) * length * context * heads <= PREFILL_BATCH_SCORES
-                and len(trial) * context * key_bytes <= GATHER_BYTES
-                and length * context <= max(SMALL_CHUNKS, 2 * least))
-        if groups and fits:
-            groups[-1] = trial
+        length = spans[i].end - spans[i].start
+        group = next((g for g in reversed(groups[-_GROUPS_TRIED:]) if g.admits(length, sizes[i], heads, key_bytes)), None)
+        if group is None:
+            groups.append(_Group(i, length, contexts[i], sizes[i]))
         else:
-            groups.append([i])
-    return [_prefill_batch_of(sorted(g), spans, contexts, tables, offsets, full, windowed, window, chunked)
-            for g in groups if len(g) > 1]
+            group.add(i, length, sizes[i])
+    return [_prefill_batch_of(sorted(g.members), spans, contexts, tables, offsets, full, windowed, window, chunked)
+            for g in groups if len(g.members) > 1]
+
+
+_GROUPS_TRIED = 16
+"""The batches a span tries to join, the most recent first (a step of many unlike chunks stays
+linear in them)."""
+
+
+class _Group:
+    """A prefill batch being formed: its spans, its longest chunk, its context (its first span's,
+    the widest) and its members' least work (a chunk's queries times keys)."""
+
+    __slots__ = ("members", "length", "context", "least")
+
+    def __init__(self, i: int, length: int, context: int, size: int) -> None:
+        self.members, self.length, self.context, self.least = [i], length, context, size
+
+    def admits(self, length: int, size: int, heads: int, key_bytes: int) -> bool:
+        """Whether a chunk of ``length`` queries and ``size`` queries times keys fits: the padded
+        scores within :data:`PREFILL_BATCH_SCORES` (``heads`` query heads), the keys within
+        :data:`GATHER_BYTES` (``key_bytes`` a position), and no member's padded chunk more than
+        twice its own work, unless the padded chunk is at most :data:`SMALL_CHUNKS`."""
+        n, longest, least = len(self.members) + 1, max(self.length, length), min(self.least, size)
+        return (n * longest * self.context * heads <= PREFILL_BATCH_SCORES
+                and n * self.context * key_bytes <= GATHER_BYTES
+                and longest * self.context <= max(SMALL_CHUNKS, 2 * least))
+
+    def add(self, i: int, length: int, size: int) -> None:
+        self.members.append(i)
+        self.length, self.least = max(self.length, length), min(self.least, size)
 
 
 def _prefill_batch_of(group: list[int], spans: list[PrefillSpan], contexts: list[int], tables: list[list[int]],
@@ -336,7 +386,7 @@ def _prefill_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # [B, kv_heads, group * L, dim]: row g * L + i is query i of head j * group + g.
     rows = q.index_select(0, batch.queries).view(b, length, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     out = F.scaled_dot_product_attention(rows.reshape(b, kv_heads, group * length, dim), keys, values,
-                                         attn_mask=batch.folded_mask(sliding, group), scale=scale)
+                                         attn_mask=batch.folded_mask(sliding, group, q.dtype), scale=scale)
     out = out.view(b, kv_heads, group, length, -1).permute(0, 3, 1, 2, 4).reshape(b * length, heads, -1)
     return out.index_select(0, batch.picks)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, prefill_span
+from .attention import AttentionMetadata, PrefillBatcher, prefill_span
 from .kv_cache import KVCache
 from .model import CausalLM
 from .sequence import Sequence
@@ -41,6 +41,7 @@ class DraftModel:
         self.window, self.chunked = model.spec.sliding_window, model.spec.chunked_windows
         self.full_layers, self.window_layers = model.spec.mask_kinds
         self._offsets = torch.arange(kv.block_size, device=device)
+        self._batcher = PrefillBatcher(model.spec, kv.k, kv.v, model.embed_tokens.weight.dtype)
 
     @torch.inference_mode()
     def propose(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
@@ -96,12 +97,13 @@ class DraftModel:
         """One pass over each (sequence, first position, tokens): the argmax after each's last."""
         bs, dev = self.kv.block_size, self.device
         ids, positions, slots, out_rows = [], [], [], []
-        spans = []
+        spans, contexts = [], []
         for seq, start, tokens in feeds:
             table = seq.block_table
             context = start + len(tokens)
             spans.append(prefill_span(len(ids), table, len(tokens), context, self._offsets,
                                       self.full_layers, self.window_layers, self.window, self.chunked))
+            contexts.append(context)
             for p in range(start, context):
                 positions.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
@@ -109,5 +111,7 @@ class DraftModel:
             out_rows.append(len(ids) - 1)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
         meta = AttentionMetadata(self.kv.k, self.kv.v, as_tensor(slots), prefills=spans)
+        # A guessing pass is a one-token chunk a sequence: one batch (attention.PrefillBatch).
+        meta.prefill_batches = self._batcher(spans, contexts, [seq.block_table for seq, _, _ in feeds], self._offsets)
         logits = self.model(as_tensor(ids), as_tensor(positions), meta, as_tensor(out_rows))
         return logits.argmax(dim=-1).tolist()

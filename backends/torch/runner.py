@@ -10,7 +10,7 @@ import torch
 from router.bad_words import banned_tokens
 from router.engine import TokenLogprobs
 
-from .attention import AttentionMetadata, batch_prefills, decode_mask, position_bytes, prefill_span
+from .attention import AttentionMetadata, PrefillBatcher, decode_mask, prefill_span
 from .conv import conv_windows
 from .kv_cache import KVCache
 from .model import CausalLM
@@ -73,7 +73,7 @@ class ModelRunner:
         bs = kv.block_size
         self._offsets = torch.arange(bs, device=device)
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
-        self._heads, self._key_bytes = model.spec.num_heads, position_bytes(kv.k, kv.v)
+        self._batcher = PrefillBatcher(model.spec, kv.k, kv.v, model.embed_tokens.weight.dtype)
 
     def prepare(self, step: Step, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.kv.block_size
@@ -117,12 +117,9 @@ class ModelRunner:
             meta.prefills.append(prefill_span(row, w.seq.block_table, w.num_new, context, self._offsets,
                                               self.full_layers, self.window_layers, self.window, self.chunked))
             row += w.num_new
-        if len(meta.prefills) > 1:
-            chunks = step.work[len(decode) :]
-            meta.prefill_batches = batch_prefills(
-                meta.prefills, [w.seq.num_computed + w.num_new for w in chunks], [w.seq.block_table for w in chunks],
-                self._offsets, self.full_layers, self.window_layers, self.window, self.chunked, self._heads,
-                self._key_bytes)
+        chunks = step.work[len(decode) :]
+        meta.prefill_batches = self._batcher(meta.prefills, [w.seq.num_computed + w.num_new for w in chunks],
+                                             [w.seq.block_table for w in chunks], self._offsets)
         if self.state_cache is not None:
             self._keep_states(step.work[len(decode) :], meta)
         meta.wanted_rows = rows.out_rows

@@ -111,17 +111,15 @@ class ModelRunner:
                 self.state_cache.restore(restored)
                 for w in step.work:
                     w.seq.restore_from = None
-        row = len(decode)
-        for w in step.work[len(decode) :]:
-            context = w.seq.num_computed + w.num_new
+        row, chunks = len(decode), step.work[len(decode) :]
+        contexts = [w.seq.num_computed + w.num_new for w in chunks]
+        for w, context in zip(chunks, contexts):
             meta.prefills.append(prefill_span(row, w.seq.block_table, w.num_new, context, self._offsets,
                                               self.full_layers, self.window_layers, self.window, self.chunked))
             row += w.num_new
-        chunks = step.work[len(decode) :]
-        meta.prefill_batches = self._batcher(meta.prefills, [w.seq.num_computed + w.num_new for w in chunks],
-                                             [w.seq.block_table for w in chunks], self._offsets)
+        meta.prefill_batches = self._batcher(meta.prefills, contexts, [w.seq.block_table for w in chunks], self._offsets)
         if self.state_cache is not None:
-            self._keep_states(step.work[len(decode) :], meta)
+            self._keep_states(chunks, meta)
         meta.wanted_rows = rows.out_rows
         return as_tensor(rows.ids), positions, meta, as_tensor(rows.out_rows)
 

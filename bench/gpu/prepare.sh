@@ -9,25 +9,22 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
+# download DIR NAME...: each package's wheel, at the version installed here, for the machine's Python 3.12.
+download() {
+    local dir=$1 pins=() name
+    shift
+    for name in "$@"; do pins+=("$name==$(version "$name")"); done
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 --platform any -d "$dir" "${pins[@]}"
+}
 rm -rf .gpu
 mkdir -p .gpu/kit/whl .gpu/kit/site .gpu/kit/tf .gpu/kit/smol .gpu/g1 .gpu/g2
-wheels=()
-for name in litestar litestar-htmx msgspec multipart polyfactory rich-click faker uvicorn httptools gguf sniffio; do
-    wheels+=("$name==$(version "$name")")
-done
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux1_x86_64 --platform any -d .gpu/kit/whl "${wheels[@]}"
+download .gpu/kit/whl litestar litestar-htmx msgspec multipart polyfactory rich-click faker uvicorn httptools gguf sniffio
 # Our transformers and what it needs beyond the image's packages, apart (device_check.sh uses them
 # only if they import there): the image's is older (5.17 on 2026-12-04), and a tiny Gemma 2's, a
 # gpt-oss's and a Granite 4 hybrid's greedy tokens differ between the two on the CPU as well.
-tf=()
-for name in transformers huggingface-hub kernels httpx2 httpcore2 truststore idna hf-xet click tomlkit regex; do
-    tf+=("$name==$(version "$name")")
-done
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux1_x86_64 --platform any -d .gpu/kit/tf "${tf[@]}"
+download .gpu/kit/tf transformers huggingface-hub kernels httpx2 httpcore2 truststore idna hf-xet click tomlkit regex
 # Entry points: importlib.metadata finds a dist-info anywhere on sys.path.
 info=.gpu/kit/site/router_gpu_kit-0.dist-info
 mkdir -p "$info"

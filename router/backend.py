@@ -10,7 +10,6 @@ A plugin registers backend classes with the ``register_backends`` hook. Two base
 from __future__ import annotations
 
 import abc
-import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, AsyncIterator, ClassVar, Union
 from .config import ModelConfig, resolve_path
 from .engine import Engine
 from .errors import BadRequest, Unavailable
+from .footprint import Footprint, file_bytes
 from .params import GenerationParams
 
 log = logging.getLogger("router.backend")
@@ -42,11 +42,15 @@ class Backend(abc.ABC):
     """One served model. Subclass, set ``Config`` to the options it takes, register it."""
 
     Config: ClassVar[type[ModelConfig]] = ModelConfig
+    local: ClassVar[bool] = False
+    """Whether its engine runs on this machine, loaded and unloaded by the fleet
+    (:mod:`router.fleet`); only such models take ``preload``, ``keep_alive``, ``pin`` and
+    ``worker``."""
 
     def __init__(self, config: ModelConfig, base_dir: Path = Path(".")) -> None:
         self.config = config
         self.base_dir = base_dir
-        self.state = "loading"  # loading | ready | failed | stopped
+        self.state = "loading"  # loading | ready | failed | stopped; local models: unloaded, unloading
         self.error: str | None = None
         self.capabilities: frozenset[str] = frozenset()
         self.max_model_len: int | None = config.max_model_len
@@ -69,6 +73,12 @@ class Backend(abc.ABC):
                 self.name, self.config.backend, self.capabilities, self.max_model_len, self.config
             )
         return info
+
+    @classmethod
+    def estimate_memory(cls, config: ModelConfig, base_dir: Path) -> Footprint | None:
+        """What the model will take in this machine's memory once loaded, before loading it
+        (None: nothing here, a remote model). The fleet uses it until a load has measured it."""
+        return None
 
     async def start(self) -> None:
         """Load whatever the model needs; the router calls it once, in the background."""
@@ -112,23 +122,61 @@ class Backend(abc.ABC):
 
 
 class LocalBackend(Backend):
-    """A model served by an in-process :class:`~router.engine.Engine` through the shared
-    pipeline (template, tokenize, detokenize, stop strings, usage, chunks)."""
+    """A model served by a local :class:`~router.engine.Engine` through the shared pipeline
+    (template, tokenize, detokenize, stop strings, usage, chunks). The engine runs in a worker
+    process of its own (``worker = true``, the default; :mod:`router.workers`) or in the router's;
+    the fleet (:mod:`router.fleet`) starts and stops it."""
 
-    engine: Engine
+    local = True
+    engine: Any
+    """While loaded: the engine as the pipeline talks to it, a
+    :class:`router.workers.client.WorkerEngine` or :class:`~router.workers.client.InlineEngine`."""
+    log_level = "info"
+    """The worker's log level (the router's own, set by the app)."""
+
+    def __init__(self, config: ModelConfig, base_dir: Path = Path(".")) -> None:
+        super().__init__(config, base_dir)
+        self.runtime_adapters: dict[str, Path] = {}
+        """LoRA adapters loaded while serving (``/v1/load_lora_adapter``): loaded again with the
+        engine after an unload or a crash."""
 
     @abc.abstractmethod
     def create_engine(self) -> Engine:
-        """Build the engine (may block: it runs in a worker thread)."""
+        """Build the engine. It runs in the model's worker process (the class is imported there
+        by its module and rebuilt from the config; the process's stderr is the router's), or
+        with ``worker = false`` in a thread of the router's; it may block. The engine's
+        tokenizer must pickle: the router tokenizes with it in its own process."""
+
+    @classmethod
+    def estimate_memory(cls, config: ModelConfig, base_dir: Path) -> Footprint | None:
+        """The weights' file(s) at ``path`` and a worker's own cost; backends that know their
+        cache and libraries say more."""
+        path = getattr(config, "path", None)
+        weights = 0
+        if isinstance(path, str):
+            try:
+                weights = file_bytes(resolve_path(path, base_dir))
+            except ValueError:
+                pass
+        return Footprint(weights=weights)
 
     async def start(self) -> None:
-        from .constraints import GrammarCompiler
+        from .workers.client import launch
+
+        engine = await launch(self, self.log_level)
+        try:
+            self._attach(engine)
+            for name, path in self.runtime_adapters.items():
+                await engine.add_adapter(name, path)
+        except BaseException:
+            await engine.close()
+            raise
+
+    def _attach(self, engine: Any) -> None:
         from .templates import ChatTemplate
 
-        self.engine = await asyncio.to_thread(self.create_engine)
-        await self.engine.start()
-        tok = self.engine.tokenizer
-        source = self.engine.chat_template
+        tok = engine.tokenizer
+        source = engine.chat_template
         if self.config.chat_template is not None:
             source = resolve_path(self.config.chat_template, self.base_dir).read_text("utf-8")
         self.template = (
@@ -136,13 +184,20 @@ class LocalBackend(Backend):
             if source
             else None
         )
-        self.grammars = GrammarCompiler(tok)
-        capabilities = set(self.engine.capabilities)
+        capabilities = set(engine.capabilities)
         if self.config.tool_parser and "structured_outputs" in capabilities:
             capabilities.add("tool_choice")  # required / named calls are forced by a grammar
         self.capabilities = frozenset(capabilities)
-        self.max_model_len = self.engine.max_model_len
+        self.max_model_len = engine.max_model_len
+        self.engine = engine
+        self.error = None
         self.state = "ready"
+
+    def detach(self) -> None:
+        """The engine is gone (unloaded, or its worker died): the model is unloaded. ``engine``
+        stays, dead: a request that took it before fails with its
+        :class:`~router.workers.client.WorkerLost` (a 503), not for want of an attribute."""
+        self.state = "unloaded"
 
     def status(self) -> dict[str, Any]:
         out = super().status()
@@ -151,9 +206,13 @@ class LocalBackend(Backend):
         return out
 
     async def stop(self) -> None:
-        if self.state == "ready":
-            await self.engine.stop()
-        self.state = "stopped"
+        engine = self.__dict__.get("engine")
+        self.state = "unloading"
+        try:
+            if engine is not None:
+                await engine.close()
+        finally:
+            self.detach()
 
     async def chat(self, request: Any, params: GenerationParams) -> Reply:
         from . import serving

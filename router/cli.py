@@ -60,7 +60,9 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     level = (args.log_level or config.server.log_level).lower()
-    _configure_logging(level)
+    from .telemetry import configure_logging
+
+    configure_logging(level)
     for name, why in plugins.skipped.items():
         logging.getLogger("router").warning("plugin %s skipped: %s", name, why)
     app = create_app(config, plugins, tune_gc=True)
@@ -99,17 +101,6 @@ def _graceful_server():  # type: ignore[no-untyped-def]
                 self._captured_signals.remove(sig)
 
     return GracefulServer
-
-
-def _configure_logging(level: str) -> None:
-    from .telemetry import RequestIdFilter
-
-    handler = logging.StreamHandler()
-    handler.addFilter(RequestIdFilter())
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def _models(args: argparse.Namespace) -> int:

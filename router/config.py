@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
 import msgspec
 from msgspec import Meta, Struct
 
+from .units import format_size, parse_duration, parse_size
+
 if TYPE_CHECKING:
     from .backend import Backend
 
@@ -60,6 +62,28 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     ``api_keys``, only those keys (not a ``[[keys]]`` entry limited to some models) may call them;
     without, anyone who reaches the server may (and learn from the errors which paths exist)."""
     limits: Limits = msgspec.field(default_factory=Limits)
+    memory_limit: int | str | None = None
+    """The memory local models may take together, counted as their worker processes' resident
+    memory: bytes, or a size with a unit (``"12GiB"``, ``"800MB"``). Past it, idle models are
+    unloaded, least recently used first (docs/fleet.md). None: no limit."""
+    load_timeout: float | str = 300.0
+    """How long a request waits for its model to load, room for it included: seconds or a
+    duration (``"5m"``). Then 503 with Retry-After, naming the models in the way."""
+
+    def __post_init__(self) -> None:
+        if self.memory_limit is not None:
+            self.memory_limit = _quantity("memory_limit", parse_size, self.memory_limit)
+        timeout = _quantity("load_timeout", parse_duration, self.load_timeout)
+        if timeout is None:
+            raise ValueError("load_timeout: must be a duration of zero or more (\"5m\", 300)")
+        self.load_timeout = timeout
+
+
+def _quantity(key: str, parse: Any, value: Any) -> Any:
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 class KeyConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -91,8 +115,21 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Requests running at once; more wait in the admission queue (None: no limit here)."""
     max_queue: Annotated[int, Meta(ge=0)] | None = None
     """Requests waiting beyond max_concurrency; past it, 429 at once (None: no limit)."""
+    # How a local model's engine lives (docs/fleet.md); remote models take none of these.
+    preload: bool = True
+    """Load at start-up; false: on the first request for it (or ``POST /models/load``)."""
+    keep_alive: float | str | None = None
+    """Unload after this long without requests, as Ollama's ``keep_alive`` (``"5m"``, ``"30s"``,
+    seconds; 0: as soon as its last request ends). None or negative: never."""
+    pin: bool = False
+    """Never unloaded to make room for another model."""
+    worker: bool = True
+    """Run the engine in a worker process of its own (``router.workers``); false: in the
+    router's process, sharing its fate and its memory, which is then only estimated."""
 
     def __post_init__(self) -> None:
+        if self.keep_alive is not None:
+            self.keep_alive = _quantity("keep_alive", parse_duration, self.keep_alive)
         # Harmony is one format: one parser reads a gpt-oss reply's reasoning, content and calls.
         if (self.reasoning_parser == "openai_gptoss") != (self.tool_parser == "openai"):
             raise ValueError(
@@ -137,6 +174,9 @@ def _where(exc: msgspec.ValidationError, prefix: str, schema: type | None = None
         choices = _choices(schema, path)
         if choices:
             text = f"{text}; one of {choices}"
+    key = re.match(r"([a-z_]+): (.+)", text, re.DOTALL)
+    if key:  # a __post_init__ check names its key: models[0].keep_alive: ...
+        path, text = f"{path}.{key.group(1)}", key.group(2)
     where = f"{prefix}{path}".lstrip(".") or "(top level)"
     return f"{where}: {text}"
 
@@ -213,6 +253,7 @@ def parse_config(
             else:
                 seen[adapter] = i
         problems.extend(f"{where}.{p}" for p in model_problems(model, base_dir))
+        problems.extend(f"{where}.{p}" for p in _lifecycle_problems(model, backend, raw.server, base_dir))
         models.append(model)
     for i, key in enumerate(raw.server.api_keys):
         problems.extend(f"server.api_keys[{i}]: {p}" for p in _secret_problems(key))
@@ -224,6 +265,28 @@ def parse_config(
     if problems:
         raise ConfigError(problems)
     return RouterConfig(server=raw.server, models=models, keys=raw.keys, base_dir=base_dir)
+
+
+_LOCAL_ONLY = {"preload": True, "keep_alive": None, "pin": False, "worker": True}
+
+
+def _lifecycle_problems(model: ModelConfig, backend: type["Backend"], server: ServerConfig,
+                        base_dir: Path) -> list[str]:
+    """Keys only a local model takes, and a local model larger than the whole memory limit."""
+    if not backend.local:
+        return [f"{key}: only a local model takes it (backend `{model.backend}` runs elsewhere)"
+                for key, default in _LOCAL_ONLY.items() if getattr(model, key) != default]
+    if server.memory_limit is None:
+        return []
+    try:
+        estimate = backend.estimate_memory(model, base_dir)
+    except Exception:  # noqa: BLE001 - a file it cannot read: its load will say why
+        return []
+    limit = server.memory_limit
+    if estimate is not None and estimate.total > limit:  # type: ignore[operator]
+        return [f"name: model `{model.name}` needs about {estimate.describe()}, more than the whole "
+                f"server.memory_limit ({format_size(limit)})"]  # type: ignore[arg-type]
+    return []
 
 
 def _secret_problems(spec: str) -> list[str]:

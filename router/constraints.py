@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .engine import Tokenizer
 from .errors import BadRequest
+from .thinking_gate import ReasoningGate
 
 if TYPE_CHECKING:
     import numpy as np
@@ -76,6 +77,23 @@ class ConstraintSpec:
         return (self.kind, value, self.compact)
 
 
+@dataclass(frozen=True, slots=True)
+class ConstraintPlan:
+    """A sequence's constraint as the router hands it to the engine (across the process
+    boundary: plain values): what the output must match, and for a thinking model where the
+    grammar begins. The engine's side compiles it once per grammar and builds each sequence's
+    own matcher (:meth:`build`), so masks are computed where the steps run."""
+
+    spec: ConstraintSpec
+    gate: ReasoningGate | None = None
+
+    def build(self, grammars: "GrammarCompiler") -> Any:
+        """This sequence's matcher: a :class:`TokenConstraint`, inside an
+        :class:`router.thinking_gate.AfterReasoning` when the plan has a gate."""
+        inner = grammars.constraint(self.spec)
+        return inner if self.gate is None else self.gate.around(inner, grammars.tokenizer.token_bytes)
+
+
 def _close_objects(schema: Any) -> Any:
     if isinstance(schema, dict):
         out = {k: _close_objects(v) for k, v in schema.items()}
@@ -117,7 +135,7 @@ class GrammarCompiler:
     """One model's llguidance tokenizer and its cache of compiled grammars (thread-safe)."""
 
     def __init__(self, tokenizer: Tokenizer, cache_size: int = 256) -> None:
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._cache_size = cache_size
@@ -128,7 +146,7 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             from llguidance import LLTokenizer, TokenizerWrapper
 
-            self._ll_tokenizer = LLTokenizer(TokenizerWrapper(_TokenTable(self._tokenizer)))
+            self._ll_tokenizer = LLTokenizer(TokenizerWrapper(_TokenTable(self.tokenizer)))
         return self._ll_tokenizer
 
     def constraint(self, spec: ConstraintSpec) -> "TokenConstraint":
@@ -155,7 +173,7 @@ class GrammarCompiler:
                 self._cache[spec.key] = template
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
-        return TokenConstraint(template.deep_copy(), self._tokenizer.vocab_size)
+        return TokenConstraint(template.deep_copy(), self.tokenizer.vocab_size)
 
 
 class TokenConstraint:

@@ -7,6 +7,7 @@ backends implement :class:`Engine`; third-party packages can too.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol, Sequence, runtime_checkable
@@ -171,6 +172,34 @@ def finish_reason(
     if num_output >= request.max_tokens or length >= max_model_len:
         return "length", None
     return None, None
+
+
+class StepQueue:
+    """One request's steps as its engine delivers them (a step, or the exception that ends the
+    request), read in order up to the step that finishes it; ``finished`` says whether that
+    came (else the reader left early: the engine should drop the request)."""
+
+    __slots__ = ("_queue", "finished")
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[EngineStep | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: EngineStep | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "StepQueue":
+        return self
+
+    async def __anext__(self) -> EngineStep:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finish_reason is not None
+        return item
 
 
 class EngineError(Exception):

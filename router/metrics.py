@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
 def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
@@ -165,7 +166,14 @@ class RouterMetrics:
         self.e2e = r.add(Histogram("router:e2e_request_latency_seconds", "End-to-end request latency.", MB, LATENCY_BUCKETS))
         self.prompt_hist = r.add(Histogram("router:request_prompt_tokens", "Prompt tokens per request.", MB, TOKEN_BUCKETS))
         self.generation_hist = r.add(Histogram("router:request_generation_tokens", "Generated tokens per request.", MB, TOKEN_BUCKETS))
+        # The fleet of local models (router/fleet.py).
+        self.model_loads = r.add(Counter("router:model_loads_total", "Local models loaded (a worker started and ready).", MB))
+        self.load_seconds = r.add(Histogram("router:model_load_seconds", "Time to load a local model.", MB, LOAD_BUCKETS))
+        self.model_unloads = r.add(Counter("router:model_unloads_total", "Local models unloaded, by cause: idle (keep_alive), room (memory_limit), admin (POST /models/unload), crash (the worker died).", MB + ("cause",)))
+        self.worker_restarts = r.add(Counter("router:worker_restarts_total", "Loads of a local model after its worker crashed.", MB))
         for name, help in (
+            ("router:model_memory_bytes", "Memory a local model takes: its worker's resident memory (an estimate while loading, or in the router's process)."),
+            ("router:model_loaded", "1 if a local model is loaded, else 0."),
             ("router:num_requests_running", "Requests (sequences for local engines) running."),
             ("router:num_requests_waiting", "Requests waiting: in the router's admission queue and the engine's."),
             ("router:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (torch engine)."),

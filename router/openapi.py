@@ -19,6 +19,7 @@ from .protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     LoadLoraAdapterRequest,
+    ModelName,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -32,6 +33,7 @@ _ERRORS = {
     "401": "Missing or wrong API key (when keys are configured).",
     "403": "A key limited to some models may not do this.",
     "404": "Unknown model (or one this key may not use).",
+    "409": "The model has requests running or waiting; unload it once they end.",
     "413": "Body too large.",
     "429": "The model's admission queue is full; see Retry-After.",
     "500": "Server error (no traceback, ever).",
@@ -65,15 +67,15 @@ def build(types: RequestTypes, model_names: list[str], lora_updates: bool = Fals
     models = [
         types.chat, types.completions, TokenizeRequest, DetokenizeRequest,
         ChatCompletion, Completion, ModelList, ModelCard, TokenizeResponse, DetokenizeResponse,
-        ErrorEnvelope, Health, Version, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
+        ErrorEnvelope, Health, Version, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ModelName,
     ]
     (chat_req, comp_req, tok_req, detok_req, chat_resp, comp_resp, model_list, model_card, tok_resp,
-     detok_resp, envelope, health, version, load_req, unload_req), components = msgspec.json.schema_components(
+     detok_resp, envelope, health, version, load_req, unload_req, model_name), components = msgspec.json.schema_components(
         models, ref_template="#/components/schemas/{name}"
     )
 
     # `model` names one of the served models (any other name is a 404 model_not_found).
-    for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest", "ModelName"):
         if model_names:
             components[name]["properties"]["model"] = {"type": "string", "enum": list(model_names)}
 
@@ -115,9 +117,9 @@ def build(types: RequestTypes, model_names: list[str], lora_updates: bool = Fals
             op["parameters"] = parameters
         return {method: op}
 
-    health_op = json_op("get", health, "Readiness of every model", "500")
+    health_op = json_op("get", health, "Whether the router takes requests, and every model's state", "500")
     health_op["get"]["responses"]["503"] = {
-        "description": "Some model is not ready; the body says which and why.",
+        "description": "The models that start with the router are still starting; the body says which.",
         "content": {"application/json": {"schema": health}},
     }
     paths = {
@@ -130,6 +132,10 @@ def build(types: RequestTypes, model_names: list[str], lora_updates: bool = Fals
         ),
         "/tokenize": json_op("post", tok_resp, "Prompt or chat to token ids (vLLM)", "400", "401", "404", "413", "500", "503", body=tok_req),
         "/detokenize": json_op("post", detok_resp, "Token ids to text (vLLM)", "400", "401", "404", "413", "500", "503", body=detok_req),
+        "/models/load": json_op("post", model_card, "Load a local model now (llama-server's router mode)",
+                                "400", "401", "403", "404", "413", "500", "503", body=model_name),
+        "/models/unload": json_op("post", model_card, "Unload a local model: its worker process exits",
+                                  "400", "401", "403", "404", "409", "413", "500", body=model_name),
         "/health": health_op,
         "/version": json_op("get", version, "The router's version", "500"),
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {

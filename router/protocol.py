@@ -400,7 +400,16 @@ class ModelCard(Struct, kw_only=True):
     max_model_len: int | None = None
     backend: str | None = None
     ready: bool = True
+    status: dict[str, Any] | None = None
+    """llama-server router mode's: ``{"value": "loaded" | "loading" | "unloaded" | "failed"}``,
+    with ``reason`` when failed and ``memory_bytes`` while it takes memory."""
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field); null for a base model
+
+
+class ModelName(Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /models/load`` and ``/models/unload``."""
+
+    model: Annotated[str, Meta(min_length=1)]
 
 
 class ModelList(Struct, kw_only=True):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from contextlib import aclosing
+from typing import Any, AsyncIterator
 
 import msgspec
 from litestar import Request, Response, asgi, get, post
@@ -10,7 +12,7 @@ from litestar.exceptions import MethodNotAllowedException
 from litestar.response.base import ASGIResponse
 from litestar.types import Receive, Scope, Send
 
-from . import __version__
+from . import __version__, sse
 from .auth import OPEN_PATHS
 from .backend import AdapterModel, Backend
 from .connection import header, read_body, scope_state
@@ -20,6 +22,7 @@ from .protocol import (
     LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
+    ModelName,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
@@ -96,6 +99,7 @@ async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint
     rid = own["request_id"]
     record = RequestRecord(state.metrics, rid, endpoint, log_content=server.log_content)
     body = b""
+    lease = None
     try:
         body = await read_body(scope, receive, server.max_body_bytes)
         if endpoint == "chat":
@@ -108,20 +112,26 @@ async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint
         check_limits(req, params, server.limits, body)
         backend = state.model(req.model, own.get("allowed_models"))
         record.backend = backend.config.backend
-        backend.check_ready()
-        state.plugins.pm.hook.prepare_request(request=req, model=backend.info, params=params, endpoint=endpoint)
-        _check_response_format(req, params)
-        params.check_capabilities(backend.name, backend.config.backend, backend.capabilities)
-        _cap_max_tokens(params, backend)
-        params.record = record
+        watch = DisconnectWatch(receive)  # one for the whole request: load, queue, backend, stream
+        lease = state.fleet.lease_now(backend)
+        if lease is None:  # the model must load first
+            loading = asyncio.ensure_future(state.fleet.lease(backend))
+            try:
+                if params.stream:
+                    await unless_disconnected(watch, asyncio.wait([loading], timeout=STREAM_LOAD_GRACE))
+                    if not loading.done():
+                        return _loading_stream(state, req, params, backend, endpoint, record, body, watch, loading)
+                lease = await unless_disconnected(watch, loading)
+            except BaseException:
+                _let_go(loading)
+                raise
+        _prepare(state, req, params, backend, endpoint, record)
         queue = state.queues[backend.name]
-        watch = DisconnectWatch(receive)  # one for the whole request: queue, backend, stream
         ticket = queue.try_acquire() or await unless_disconnected(watch, queue.acquire(params.priority))
-    except APIError as exc:
-        record.close(exc.status, _prompt_text(record, body))
-        raise
-    except Exception:
-        record.close(500, _prompt_text(record, body))
+    except BaseException as exc:
+        if lease is not None:
+            lease.release()
+        record.close(exc.status if isinstance(exc, APIError) else 500, _prompt_text(record, body))
         raise
     call = backend.chat if endpoint == "chat" else backend.complete
     try:
@@ -132,21 +142,92 @@ async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint
 
             def done(completed: bool) -> None:
                 ticket.release()
+                lease.release()
                 record.close(200 if completed else 499, _prompt_text(record, body))
 
             return event_stream(Relay(events, done), {"x-request-id": rid}, watch)
         reply = await unless_disconnected(watch, call(req, params))
-    except APIError as exc:
+    except BaseException as exc:
         ticket.release()
-        record.close(exc.status, _prompt_text(record, body))
-        raise
-    except BaseException:
-        ticket.release()
-        record.close(500, _prompt_text(record, body))
+        lease.release()
+        record.close(exc.status if isinstance(exc, APIError) else 500, _prompt_text(record, body))
         raise
     ticket.release()
+    lease.release()
     record.close(200, _prompt_text(record, body))
     return json_reply(reply, {"x-request-id": rid})
+
+
+def _prepare(state: RouterState, req: Any, params: Any, backend: Backend, endpoint: str, record: RequestRecord) -> None:
+    """What needs the model loaded (its capabilities): the plugins' parameters, their checks."""
+    state.plugins.pm.hook.prepare_request(request=req, model=backend.info, params=params, endpoint=endpoint)
+    _check_response_format(req, params)
+    params.check_capabilities(backend.name, backend.config.backend, backend.capabilities)
+    _cap_max_tokens(params, backend)
+    params.record = record
+
+
+STREAM_LOAD_GRACE = 1.0
+"""Seconds a stream waits for its model to load before its response starts (a quick load
+keeps every status code a stream can answer with)."""
+LOADING_COMMENT_INTERVAL = 2.0
+"""Seconds between two SSE comment lines while a stream waits for its model to load."""
+
+
+def _let_go(loading: "asyncio.Future[Any]") -> None:
+    """Stop waiting for a load (which goes on): a lease it gave, or gives yet, is released."""
+
+    def release(done: "asyncio.Future[Any]") -> None:
+        if not done.cancelled() and done.exception() is None:
+            done.result().release()
+
+    loading.cancel()
+    loading.add_done_callback(release)
+
+
+def _loading_stream(state: RouterState, req: Any, params: Any, backend: Backend, endpoint: str,
+                    record: RequestRecord, body: bytes, watch: DisconnectWatch,
+                    loading: "asyncio.Future[Any]") -> ASGIResponse:
+    """A stream whose model is still loading after :data:`STREAM_LOAD_GRACE`: the response
+    starts and SSE comment lines keep the connection alive while the model loads; the answer
+    follows as usual. What would have been an error status (a 503 for a model that cannot load,
+    a 400 the loaded model's checks find) comes in-band, ``data: {"error": ...}`` then
+    ``data: [DONE]``. ``loading``: the lease being waited for (this stream's now)."""
+    held: dict[str, Any] = {"status": 499}
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b": loading model " + backend.name.encode() + b"\n\n"
+        try:
+            while True:
+                finished, _ = await asyncio.wait([loading], timeout=LOADING_COMMENT_INTERVAL)
+                if finished:
+                    break
+                yield b": loading\n\n"
+            held["lease"] = loading.result()
+            _prepare(state, req, params, backend, endpoint, record)
+            queue = state.queues[backend.name]
+            held["ticket"] = queue.try_acquire() or await queue.acquire(params.priority)
+            call = backend.chat if endpoint == "chat" else backend.complete
+            async with aclosing(await call(req, params)) as answer:
+                async for chunk in answer:
+                    yield chunk
+            held["status"] = 200
+        except APIError as exc:
+            held["status"] = exc.status
+            yield sse.event(exc.to_json())
+            yield sse.DONE
+
+    def done(completed: bool) -> None:
+        # Exactly once, however the stream ended (even never started): what it holds goes.
+        if "ticket" in held:
+            held["ticket"].release()
+        if "lease" in held:
+            held["lease"].release()
+        else:
+            _let_go(loading)
+        record.close(held["status"] if completed else 499, _prompt_text(record, body))
+
+    return event_stream(Relay(events(), done), {"x-request-id": record.request_id}, watch)
 
 
 def _prompt_text(record: RequestRecord, body: bytes) -> str | None:
@@ -201,9 +282,13 @@ _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
 async def _vocabulary(request: Request, decoder: msgspec.json.Decoder, method: str) -> Response[bytes]:
     req = decode_body(decoder, await request.body())
-    backend = state_of(request).model(req.model, _allowed(request))
-    backend.check_ready()
-    return json_response(await getattr(backend, method)(req), headers=_rid_header(request))
+    state = state_of(request)
+    backend = state.model(req.model, _allowed(request))
+    lease = await state.fleet.lease(backend)  # the tokenizer comes with the loaded model
+    try:
+        return json_response(await getattr(backend, method)(req), headers=_rid_header(request))
+    finally:
+        lease.release()
 
 
 @post("/tokenize", status_code=200)
@@ -229,13 +314,14 @@ def _card(state: RouterState, backend: Backend) -> ModelCard:
         max_model_len=backend.max_model_len,
         backend=backend.config.backend,
         ready=backend.ready,
+        status=state.fleet.status_of(backend),
         parent=backend.parent.name if isinstance(backend, AdapterModel) else None,
     )
 
 
 @get("/v1/models")
 async def list_models(request: Request) -> Response[bytes]:
-    """Every model this caller may use, ready or not (see ``ready``)."""
+    """Every model this caller may use, loaded or not (see ``status``)."""
     state = state_of(request)
     cards = [_card(state, b) for b in state.visible(_allowed(request))]
     return json_response(_encoder.encode(ModelList(data=cards)))
@@ -251,17 +337,17 @@ async def get_model(request: Request) -> Response[bytes]:
 
 @get("/health")
 async def health(request: Request) -> Response[bytes]:
-    """200 once every model is ready; 503 naming each model that is not, and why."""
+    """200 while the router takes requests: once the models that start with it (remote ones,
+    local ones that preload) have started or failed; 503 before, naming those still loading.
+    A model that is unloaded, or failed, is the router's normal business: each model's state is
+    in the body, and in ``/v1/models``."""
     state = state_of(request)
     models = {b.name: {**b.status(), "queued": state.queues[b.name].waiting} for b in state.models.values()}
-    waiting = [
-        f"{n} ({m['state']}{': ' + m['error'] if 'error' in m else ''})"
-        for n, m in models.items()
-        if m["state"] != "ready"
-    ]
-    if not waiting:
+    if not state.preloading:
         return json_response(_encoder.encode({"status": "ok", "models": models}))
-    error = ErrorBody(message="Not ready: " + "; ".join(waiting), type="service_unavailable", code="not_ready")
+    waiting = [f"{n} ({m['state']})" for n, m in models.items() if m["state"] == "loading"]
+    error = ErrorBody(message="Not ready: " + "; ".join(waiting or ["starting"]), type="service_unavailable",
+                      code="not_ready")
     return json_response(_encoder.encode({"error": error, "models": models}), status=503)
 
 
@@ -296,6 +382,43 @@ async def openapi(request: Request) -> Response[bytes]:
 
 _load_lora_decoder = msgspec.json.Decoder(LoadLoraAdapterRequest)
 _unload_lora_decoder = msgspec.json.Decoder(UnloadLoraAdapterRequest)
+
+
+# --- loading and unloading models (llama-server's router mode) --------------------------------
+
+_model_name_decoder = msgspec.json.Decoder(ModelName)
+
+
+def _admin(request: Request) -> RouterState:
+    """The state, if the caller's key may use every model (else 403)."""
+    if _allowed(request) is not None:
+        raise APIError("Loading and unloading models needs a key that may use every model.",
+                       status=403, type="permission_error", code="forbidden")
+    return state_of(request)
+
+
+@post("/models/load", status_code=200)
+async def load_model(request: Request) -> Response[bytes]:
+    """Load a model now (waiting for it, room made first); 200 with its model object. A failed
+    model tries again at once."""
+    state = _admin(request)
+    req = decode_body(_model_name_decoder, await request.body())
+    backend = state.model(req.model)
+    await state.fleet.load(backend)
+    return json_response(_encoder.encode(_card(state, backend)), headers=_rid_header(request))
+
+
+@post("/models/unload", status_code=200)
+async def unload_model(request: Request) -> Response[bytes]:
+    """Unload a model now (its worker exits); 409 while requests hold it."""
+    state = _admin(request)
+    req = decode_body(_model_name_decoder, await request.body())
+    backend = state.model(req.model)
+    if isinstance(backend, AdapterModel):
+        raise BadRequest(f"`{backend.name}` is a LoRA adapter of `{backend.parent.name}`; unload that model.",
+                         param="model")
+    await state.fleet.unload(backend)
+    return json_response(_encoder.encode(_card(state, backend)), headers=_rid_header(request))
 
 
 def _lora_updates_allowed(request: Request) -> RouterState:
@@ -333,4 +456,4 @@ async def unload_lora_adapter(request: Request) -> Response[str]:
 
 
 ROUTES = [chat_completions, completions, tokenize, detokenize, list_models, get_model, health, version, metrics, openapi,
-          load_lora_adapter, unload_lora_adapter]
+          load_model, unload_model, load_lora_adapter, unload_lora_adapter]

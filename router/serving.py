@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
@@ -22,9 +22,10 @@ from msgspec import UNSET
 
 from . import sse
 from .bad_words import bad_words_ids
+from .constraints import ConstraintPlan
 from .detokenizer import IncrementalDetokenizer
 from .engine import EngineError, EngineRequest, EngineStep, SamplingParams, Tokenizer, UnknownAdapter
-from .errors import APIError, BadRequest, ModelNotFound, ServerError
+from .errors import APIError, BadRequest, ModelNotFound, ServerError, Unavailable
 from .params import GenerationParams
 from .prompts import build_chat_prompt, check_length, completion_prompts, truncate_prompt
 from .protocol import (
@@ -54,6 +55,7 @@ from .protocol import (
     Usage,
 )
 from .stops import StopChecker
+from .workers.client import WorkerLost
 
 if TYPE_CHECKING:
     from .backend import LocalBackend
@@ -403,13 +405,14 @@ class Generation:
 
 
 async def _constraints(backend: "LocalBackend", params: GenerationParams, count: int) -> list[Any] | None:
-    """One fresh matcher per choice. Compiling (or a bad grammar's 400) happens here, before any
-    byte of a stream; it runs off the event loop, since a first compile can take a second."""
+    """Each choice's constraint, as a plan the engine's side builds a matcher from. The grammar
+    is compiled where the engine runs, here, before any byte of a stream (a bad one is a 400
+    naming its field)."""
     spec = params.constraint
     if spec is None:
         return None
-    first = await asyncio.to_thread(backend.grammars.constraint, spec)
-    return [first] + [backend.grammars.constraint(spec) for _ in range(count - 1)]
+    await backend.engine.check_constraint(spec)
+    return [ConstraintPlan(spec)] * count
 
 
 def _check_beam_search(params: GenerationParams) -> None:
@@ -433,9 +436,12 @@ def _check_beam_search(params: GenerationParams) -> None:
 
 def _engine_failure(exc: EngineError) -> APIError:
     """What the client sees of an engine's failure: a 500, except for an adapter unloaded after
-    the request found it (a model that no longer exists: 404)."""
+    the request found it (a model that no longer exists: 404) and a worker process that ended
+    under it (503: the model loads again on the next request)."""
     if isinstance(exc, UnknownAdapter):
         return ModelNotFound(exc.adapter)
+    if isinstance(exc, WorkerLost):
+        return Unavailable(f"{exc}; try again.", code="model_unavailable", headers={"Retry-After": "1"})
     return ServerError(f"The engine failed: {exc}")
 
 
@@ -650,7 +656,7 @@ def _after_reasoning(constraints: list[Any], thinking: partial, params: Generati
     ``thinking``: what :func:`_reasoning_parser` returned; a think-block parser's one argument
     says whether the prompt leaves a block open."""
     from .harmony import HarmonyParser
-    from .thinking_gate import AfterReasoning
+    from .thinking_gate import ReasoningGate
 
     parser, opener = thinking.func, None
     if parser is HarmonyParser:
@@ -665,7 +671,8 @@ def _after_reasoning(constraints: list[Any], thinking: partial, params: Generati
             if len(ids) != 1:
                 return constraints
             opener = ids[0]
-    return [AfterReasoning(c, tok.token_bytes, end, opener) for c in constraints]
+    gate = ReasoningGate.of(end, opener)
+    return [replace(c, gate=gate) for c in constraints]
 
 
 def _message(content: str, choice: Choice) -> ResponseMessage:

@@ -13,6 +13,7 @@ from .auth import Keyring
 from .backend import AdapterModel, Backend
 from .config import RouterConfig, resolve_path
 from .errors import APIError, BadRequest, ModelNotFound
+from .fleet import Fleet
 from .metrics import RouterMetrics
 from .plugins import Plugins
 from .requests import RequestTypes, compose
@@ -48,9 +49,11 @@ class RouterState:
         self._lora_updates = asyncio.Lock()
         self.keyring = Keyring(config)
         self.metrics = RouterMetrics(self.gauges)
+        self.fleet = Fleet(self.models, config.server, self.metrics, config.server.log_level)
         self.created = int(time.time())
         self.openapi: bytes | None = None  # built on first request
-        self._loading: list[asyncio.Task[None]] = []
+        self._loading: list[asyncio.Task[None]] = []  # remote models' starts
+        self._progress: asyncio.Task[None] | None = None
 
     def model(self, name: str, allowed: frozenset[str] | None = None) -> Backend:
         """The model called ``name``, if it exists and the caller's key may use it (else 404)."""
@@ -102,12 +105,15 @@ class RouterState:
                     base.check_ready()
                     raise BadRequest(f"Model `{model}` (backend `{base.config.backend}`) cannot take LoRA adapters.",
                                      param="model")
-            base.check_ready()
+            lease = await self.fleet.lease(base)
             try:
                 folder = resolve_path(path, self.config.base_dir)
                 await base.engine.add_adapter(name, folder)  # type: ignore[attr-defined]
             except ValueError as exc:  # the adapter's own problems, named by the engine
                 raise BadRequest(str(exc), param="lora_path") from None
+            finally:
+                lease.release()
+            base.runtime_adapters[name] = folder  # type: ignore[attr-defined]
             self._serve_adapter(base, name)
             log.info("LoRA adapter %s of %s loaded from %s", name, base.name, path)
 
@@ -117,10 +123,13 @@ class RouterState:
             if adapter is None:
                 raise APIError(f"The LoRA adapter `{name}` cannot be found.", param="lora_name",
                                code="lora_adapter_not_found", status=404)
-            try:
-                await adapter.parent.engine.remove_adapter(name)  # type: ignore[attr-defined]
-            except ValueError as exc:
-                raise BadRequest(str(exc), param="lora_name") from None
+            parent = adapter.parent
+            if parent.state == "ready":  # else it is not loaded there: nothing to take out
+                try:
+                    await parent.engine.remove_adapter(name)  # type: ignore[attr-defined]
+                except ValueError as exc:
+                    raise BadRequest(str(exc), param="lora_name") from None
+            parent.runtime_adapters.pop(name, None)  # type: ignore[attr-defined]
             del self.adapters[name], self.queues[name]
             self.openapi = None
             log.info("LoRA adapter %s of %s unloaded", name, adapter.parent.name)
@@ -128,43 +137,66 @@ class RouterState:
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start loading every model in the background, with a progress bar on stderr."""
-        from tqdm import tqdm
+        """Start remote models and the local ones that preload, in the background; a progress
+        bar on stderr counts them as they get ready (or fail)."""
+        remote = [b for b in self.models.values() if self.fleet.slot_of(b) is None]
+        self._loading = [asyncio.create_task(self._start(backend)) for backend in remote]
+        self.fleet.start()
+        starting = remote + [s.backend for s in self.fleet.slots.values() if s.backend.config.preload]
+        if starting:
+            self._progress = asyncio.create_task(self._show_progress(starting))
 
-        bar = tqdm(total=len(self.models), desc="loading models", unit="model", file=sys.stderr,
-                   disable=not self.models, leave=True)
-        for backend in self.models.values():
-            self._loading.append(asyncio.create_task(self._start(backend, bar)))
-
-    async def _start(self, backend: Backend, bar: object) -> None:
+    async def _start(self, backend: Backend) -> None:
         t0 = time.monotonic()
         try:
             await backend.start()
         except Exception as exc:  # noqa: BLE001 - one broken model must not stop the others
             backend.state = "failed"
             backend.error = f"{type(exc).__name__}: {exc}"
-            log.error("model %s failed to load: %s", backend.name, backend.error)
+            log.error("model %s failed to start: %s", backend.name, backend.error)
         else:
             log.info("model %s (%s) ready in %.1fs", backend.name, backend.config.backend, time.monotonic() - t0)
+
+    async def _show_progress(self, starting: list[Backend]) -> None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(starting), desc="loading models", unit="model", file=sys.stderr, leave=True)
+        try:
+            while starting:
+                await asyncio.sleep(0.1)
+                still = [b for b in starting if b.state == "loading"] if self.preloading else []
+                if len(still) < len(starting):  # ready, failed, or not preloaded for want of room
+                    bar.update(len(starting) - len(still))
+                starting = still
         finally:
-            bar.update(1)  # type: ignore[attr-defined]
+            bar.close()
+
+    @property
+    def preloading(self) -> bool:
+        """Whether models are still starting at start-up (remote ones, local ones that preload)."""
+        return self.fleet.preloading or any(not t.done() for t in self._loading)
 
     async def wait_ready(self) -> None:
-        await asyncio.gather(*self._loading, return_exceptions=True)
+        await asyncio.gather(*self._loading, self.fleet.wait_ready(), return_exceptions=True)
 
     async def stop(self) -> None:
-        for task in self._loading:
+        for task in [*self._loading, *([self._progress] if self._progress else [])]:
             task.cancel()
-        await asyncio.gather(*self._loading, return_exceptions=True)
+        await asyncio.gather(*self._loading, *([self._progress] if self._progress else []), return_exceptions=True)
+        await self.fleet.stop()
         for backend in self.models.values():
-            try:
-                await backend.stop()
-            except Exception:  # noqa: BLE001
-                log.exception("model %s did not stop cleanly", backend.name)
+            if self.fleet.slot_of(backend) is None:
+                try:
+                    await backend.stop()
+                except Exception:  # noqa: BLE001
+                    log.exception("model %s did not stop cleanly", backend.name)
 
     # --- gauges read at scrape time -------------------------------------------------------
 
     def gauges(self, name: str) -> Iterable[tuple[tuple[str, ...], float]]:
+        if name in ("router:model_memory_bytes", "router:model_loaded"):
+            yield from self.fleet.gauge(name)
+            return
         for backend in self.models.values():
             labels = (backend.name, backend.config.backend)
             stats = backend.status()

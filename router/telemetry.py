@@ -32,6 +32,18 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+def configure_logging(level: str, process: str | None = None) -> None:
+    """One handler on stderr for the whole process, each line with its request id; a worker
+    process names itself in ``process`` (``worker smollm2``), its lines then read apart."""
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    where = f" ({process})" if process else ""
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{where} [%(request_id)s] %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
 def new_request_id(header: str | None) -> str:
     """Honour a sane client ``X-Request-Id``; otherwise make one."""
     if header and len(header) <= 128 and header.isprintable() and " " not in header:

@@ -19,6 +19,7 @@ reasoning, any other is the grammar's first.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -47,6 +48,27 @@ class EndMarker:
         """The reasoning's last bytes after ``data`` follows ``tail``, and whether a marker ends there."""
         window = tail + data
         return window[-(self.longest - 1) :] if self.longest > 1 else b"", self.pattern.search(window) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningGate:
+    """Where a thinking model's grammar begins, as plain values that travel to the engine's
+    process with the request (:class:`router.constraints.ConstraintPlan`): the end marker's
+    pattern (no flags) and its longest match, and the token that opens a block the reply must
+    open itself (None: it reasons from its first token)."""
+
+    pattern: bytes
+    longest: int
+    opener: int | None = None
+
+    @classmethod
+    def of(cls, end: bytes | EndMarker, opener: int | None) -> ReasoningGate:
+        marker = EndMarker.literal(end) if isinstance(end, bytes) else end
+        return cls(marker.pattern.pattern, marker.longest, opener)
+
+    def around(self, inner: Any, token_bytes: Callable[[int], bytes]) -> AfterReasoning:
+        """The sequence's constraint: ``inner`` once the reasoning has ended."""
+        return AfterReasoning(inner, token_bytes, EndMarker(re.compile(self.pattern), self.longest), self.opener)
 
 
 class AfterReasoning:

@@ -17,6 +17,8 @@ llama_cpp is imported only when a model of this backend loads.
 from __future__ import annotations
 
 import os
+import struct
+from pathlib import Path
 from typing import Annotated
 
 from msgspec import Meta
@@ -24,6 +26,9 @@ from msgspec import Meta
 from router.backend import LocalBackend
 from router.config import ModelConfig, resolve_path
 from router.engine import Engine
+from router.footprint import Footprint, file_bytes
+
+from ..gguf_header import architecture_numbers
 from router.hookspecs import hookimpl
 
 
@@ -50,6 +55,26 @@ class LlamaCppBackend(LocalBackend):
 
     Config = LlamaCppConfig
     config: LlamaCppConfig
+
+    @classmethod
+    def estimate_memory(cls, config: LlamaCppConfig, base_dir: Path) -> Footprint:  # type: ignore[override]
+        """The GGUF file (mapped, all of it read as it loads on the CPU), its KV cache in
+        float16 for ``n_ctx`` positions, and a worker (llama.cpp's compute buffers included)."""
+        try:
+            path = resolve_path(config.path, base_dir)
+        except ValueError:
+            return Footprint()
+        try:
+            shape = architecture_numbers(path, ("block_count", "embedding_length", "attention.head_count",
+                                                "attention.head_count_kv", "attention.key_length"))
+        except (OSError, ValueError, struct.error):
+            shape = {}  # not a GGUF file we can read: its load will say why
+        layers, width, heads = (shape.get(k) or 0 for k in ("block_count", "embedding_length", "attention.head_count"))
+        kv_heads = shape.get("attention.head_count_kv") or heads
+        head_dim = shape.get("attention.key_length") or (width // heads if heads else 0)
+        n_ctx = config.n_ctx or config.max_model_len or 2048
+        cache = n_ctx * layers * kv_heads * head_dim * 2 * 2  # keys and values, 2 bytes each
+        return Footprint(weights=file_bytes(path), cache=cache)
 
     def create_engine(self) -> Engine:
         from .engine import LlamaCppEngine

@@ -30,6 +30,7 @@ from router.engine import (
     EngineError,
     EngineRequest,
     EngineStep,
+    StepQueue,
     TokenLogprobs,
     UnknownAdapter,
     finish_reason,
@@ -51,11 +52,11 @@ _LOAD_LOCK = threading.Lock()
 class _Job:
     request: EngineRequest
     loop: asyncio.AbstractEventLoop
-    steps: asyncio.Queue = field(default_factory=asyncio.Queue)
+    steps: StepQueue = field(default_factory=StepQueue)
     cancelled: bool = False
 
     def emit(self, item: EngineStep | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.steps.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.steps.put, item)
 
 
 class LlamaCppEngine:
@@ -156,13 +157,8 @@ class LlamaCppEngine:
             heapq.heappush(self._heap, (request.priority, request.arrival, next(self._order), job))
             self._cv.notify()
         try:
-            while True:
-                item = await job.steps.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
+            async for step in job.steps:
+                yield step
         finally:
             # Client gone, stop string found, or done: the worker drops it at its next step.
             job.cancelled = True

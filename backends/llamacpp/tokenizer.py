@@ -8,10 +8,30 @@ from typing import Sequence
 import llama_cpp
 
 
-class LlamaCppTokenizer:
-    """Tokenizer over a loaded llama.cpp model's vocabulary."""
+class _VocabOnly:
+    """A GGUF file's vocabulary loaded alone (no weights, no context): llama-cpp-python's
+    ``Llama(vocab_only=True)`` still makes a context, and says so on stderr."""
 
-    def __init__(self, model: llama_cpp.Llama) -> None:
+    def __init__(self, path: str) -> None:
+        from llama_cpp._internals import LlamaModel
+
+        from .engine import _LOAD_LOCK
+
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self.model_path = path
+        with _LOAD_LOCK:  # quiet loading redirects stderr: one at a time (see engine.py)
+            self._loaded = LlamaModel(path_model=path, params=params, verbose=False)
+        self.model = self._loaded.model
+
+
+class LlamaCppTokenizer:
+    """Tokenizer over a loaded llama.cpp model's vocabulary. It pickles as its GGUF file's path:
+    unpickled (in the router's process, from a worker's), it opens the file's vocabulary alone."""
+
+    def __init__(self, model: llama_cpp.Llama | _VocabOnly) -> None:
+        self._model = model  # the vocabulary lives as long as the model
+        self._path = model.model_path
         self._vocab = llama_cpp.llama_model_get_vocab(model.model)
         vocab = self._vocab
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(vocab)
@@ -35,6 +55,14 @@ class LlamaCppTokenizer:
         eos = llama_cpp.llama_vocab_eos(vocab)
         self.bos_token = self._text_of(bos)
         self.eos_token = self._text_of(eos)
+
+    @classmethod
+    def from_file(cls, path: str) -> "LlamaCppTokenizer":
+        """The vocabulary of the GGUF file at ``path``, without its weights."""
+        return cls(_VocabOnly(path))
+
+    def __reduce__(self) -> tuple:
+        return (LlamaCppTokenizer.from_file, (self._path,))
 
     def _text_of(self, token: int) -> str | None:
         if token < 0 or token >= self.vocab_size:

@@ -22,6 +22,7 @@ torch and transformers are imported only when a model of this backend loads.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
@@ -29,6 +30,7 @@ from msgspec import Meta, Struct
 from router.backend import LocalBackend
 from router.config import ModelConfig, resolve_path
 from router.engine import Engine
+from router.footprint import Footprint
 from router.hookspecs import hookimpl
 
 
@@ -128,6 +130,16 @@ class TorchBackend(LocalBackend):
 
     Config = TorchConfig
     config: TorchConfig
+
+    @classmethod
+    def estimate_memory(cls, config: TorchConfig, base_dir: Path) -> Footprint:  # type: ignore[override]
+        from .estimate import estimate
+
+        try:
+            path = resolve_path(config.path, base_dir)
+        except ValueError:
+            return Footprint()
+        return estimate(config, path)
 
     def create_engine(self) -> Engine:
         from .setup import build_engine

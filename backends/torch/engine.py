@@ -26,6 +26,7 @@ from router.engine import (
     EngineError,
     EngineRequest,
     EngineStep,
+    StepQueue,
     UnknownAdapter,
     finish_reason,
 )
@@ -351,6 +352,8 @@ class TorchEngine:
             }
         if self.options.device.type == "cuda":
             out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.options.device)
+            # What the fleet counts beside the worker's resident memory (router/fleet.py).
+            out["device_memory_bytes"] = torch.cuda.memory_reserved(self.options.device)
         return out
 
     # --- asyncio side ---------------------------------------------------------------------
@@ -364,7 +367,7 @@ class TorchEngine:
                 f"the engine's context of {self.max_model_len} tokens"
             )
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[EngineStep | BaseException] = asyncio.Queue()
+        steps = StepQueue()
         with self._cv:
             if self._closing:
                 raise EngineError("the engine is shutting down")
@@ -378,23 +381,15 @@ class TorchEngine:
             if request.cache_salt is not None:
                 # A salted chain starts elsewhere: its blocks match only the same salt's.
                 root = hash((root, "cache_salt", request.cache_salt))
-            seq = Sequence(request, queue.put_nowait, self.options.block_size, adapter, root)
+            seq = Sequence(request, steps.put, self.options.block_size, adapter, root)
             seq.loop = loop
             self._inbox.append(seq)
             self._cv.notify()
-        finished = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    finished = True
-                    return
+            async for step in steps:
+                yield step
         finally:
-            if not finished:
+            if not steps.finished:
                 seq.aborted = True
                 with self._cv:
                     self._aborts.append(seq)

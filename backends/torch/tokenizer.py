@@ -46,6 +46,12 @@ class HFTokenizer:
         self._bytes_of = _byte_decoder() if self._byte_level else None
         self._cache: dict[int, bytes] = {}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled in the router's process (from a worker's): the Rust tokenizers travel as
+        # their JSON, without the twin's runtime setting.
+        self.__dict__.update(state)
+        self._plain.encode_special_tokens = True
+
     def encode(self, text: str, *, add_special_tokens: bool, parse_special: bool = True) -> list[int]:
         tk = self._tk if parse_special else self._plain
         return tk.encode(text, add_special_tokens=add_special_tokens).ids

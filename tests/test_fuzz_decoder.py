@@ -41,7 +41,7 @@ near_valid = st.fixed_dictionaries(
 def client():
     extra = [P(), plugins.sampling, plugins.templating, plugins.priority, plugins.structured_outputs]
     p = load_plugins(entrypoints=False, extra=extra)
-    app = create_app(parse_config(b'[[models]]\nname="s"\nbackend="scripted"\n', p.backends), p)
+    app = create_app(parse_config(b'[[models]]\nname="s"\nbackend="scripted"\nworker=false\n', p.backends), p)
     with TestClient(app, raise_server_exceptions=False) as c:
         c.get("/health")
         yield c

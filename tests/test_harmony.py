@@ -296,10 +296,11 @@ def client():
     found = load_plugins(entrypoints=False, extra=[HarmonyPlugin(), plugins.sampling, plugins.templating,
                                                    plugins.reasoning, plugins.structured_outputs])
     config = (b'[[models]]\nname="oss"\nbackend="harmony"\nreasoning_parser="openai_gptoss"\ntool_parser="openai"\n'
-              b'[[models]]\nname="raw"\nbackend="harmony"\n'
-              b'[[models]]\nname="mistral"\nbackend="harmony"\ntool_parser="mistral"\n'
-              b'[[models]]\nname="granite"\nbackend="harmony"\ntool_parser="granite"\n'
-              b'[[models]]\nname="plain"\nbackend="plain"\n')
+              b'worker=false\n'
+              b'[[models]]\nname="raw"\nbackend="harmony"\nworker=false\n'
+              b'[[models]]\nname="mistral"\nbackend="harmony"\ntool_parser="mistral"\nworker=false\n'
+              b'[[models]]\nname="granite"\nbackend="harmony"\ntool_parser="granite"\nworker=false\n'
+              b'[[models]]\nname="plain"\nbackend="plain"\nworker=false\n')
     with TestClient(create_app(parse_config(config, found.backends), found), raise_server_exceptions=False) as c:
         c.get("/health")
         yield c

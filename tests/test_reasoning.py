@@ -162,7 +162,7 @@ def client():
     found = load_plugins(entrypoints=False, extra=[ThinkerPlugin(), plugins.sampling, plugins.templating,
                                                    plugins.reasoning, plugins.structured_outputs])
     config = b"".join(
-        b'[[models]]\nname="%s"\nbackend="thinker"\n%s\n' % (name, line)
+        b'[[models]]\nname="%s"\nbackend="thinker"\nworker=false\n%s\n' % (name, line)
         for name, line in ((b"r1", b'reasoning_parser="deepseek_r1"'), (b"q3", b'reasoning_parser="qwen3"'), (b"plain", b""))
     )
     with TestClient(create_app(parse_config(config, found.backends), found), raise_server_exceptions=False) as c:
@@ -312,7 +312,7 @@ MAGISTRAL = MistralThinker()
 def mistral_client():
     found = load_plugins(entrypoints=False, extra=[MagistralPlugin(), plugins.sampling, plugins.templating,
                                                    plugins.reasoning, plugins.structured_outputs])
-    config = b'[[models]]\nname="magistral"\nbackend="magistral"\nreasoning_parser="mistral"\n'
+    config = b'[[models]]\nname="magistral"\nbackend="magistral"\nreasoning_parser="mistral"\nworker=false\n'
     with TestClient(create_app(parse_config(config, found.backends), found), raise_server_exceptions=False) as c:
         c.get("/health")
         yield c

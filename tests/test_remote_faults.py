@@ -505,8 +505,12 @@ def test_all_deployments_down_is_503_with_retry_after(health_router):
     err = resp.json()["error"]
     assert err["type"] == "service_unavailable" and err["code"] == "no_deployment_available"
     assert "cannot connect: connection refused" in err["message"]
+    # The router takes requests (the issue on workers): /health is 200 and names the model's
+    # trouble, as /v1/models' status does.
     h = httpx.get(f"{r.url}/health")
-    assert h.status_code == 503 and "dead (down: no deployment is up" in h.json()["error"]["message"]
+    assert h.status_code == 200 and h.json()["models"]["dead"]["error"].startswith("no deployment is up")
+    status = {m["id"]: m["status"] for m in httpx.get(f"{r.url}/v1/models").json()["data"]}
+    assert status["dead"]["value"] == "failed" and status["dead"]["reason"].startswith("no deployment is up")
 
 
 def test_passive_all_down_is_503_after_failures(health_router):

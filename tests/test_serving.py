@@ -91,7 +91,7 @@ def client():
     ENGINE.script = tok.encode("hello world", add_special_tokens=False) + [EOS]
     ENGINE.seen.clear()
     plugins_ = load_plugins(entrypoints=False, extra=[P(), plugins.sampling, plugins.templating])
-    cfg = parse_config(b'[[models]]\nname="s"\nbackend="scripted"\n', plugins_.backends)
+    cfg = parse_config(b'[[models]]\nname="s"\nbackend="scripted"\nworker=false\n', plugins_.backends)
     with TestClient(create_app(cfg, plugins_), raise_server_exceptions=False) as c:
         c.get("/health")
         yield c

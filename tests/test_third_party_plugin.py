@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
 from server import GGUF, RouterProcess
 from sse_util import chat_text, parse_events
-
-PKG = Path(__file__).parent / "plugin_pkg"
+from workers_util import plugin_site
 
 
 @pytest.fixture(scope="module")
 def plugin_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plugin")
-    src = tmp / "src"
-    shutil.copytree(PKG, src)
-    site = tmp / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(site), str(src)],
-        check=True,
-    )
+    site = plugin_site(tmp)
     config = f"""
 [[models]]
 name = "echo"

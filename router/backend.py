@@ -131,8 +131,6 @@ class LocalBackend(Backend):
     engine: Any
     """While loaded: the engine as the pipeline talks to it, a
     :class:`router.workers.client.WorkerEngine` or :class:`~router.workers.client.InlineEngine`."""
-    log_level = "info"
-    """The worker's log level (the router's own, set by the app)."""
 
     def __init__(self, config: ModelConfig, base_dir: Path = Path(".")) -> None:
         super().__init__(config, base_dir)
@@ -163,7 +161,7 @@ class LocalBackend(Backend):
     async def start(self) -> None:
         from .workers.client import launch
 
-        engine = await launch(self, self.log_level)
+        engine = await launch(self)
         try:
             self._attach(engine)
             for name, path in self.runtime_adapters.items():

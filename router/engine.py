@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, Sequence, runtime_checkable
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
@@ -200,6 +200,20 @@ class StepQueue:
             raise item
         self.finished = item.finish_reason is not None
         return item
+
+
+async def submitted(submit: Callable[[EngineRequest, Callable[[EngineStep | BaseException], None]], Callable[[], None]],
+                    request: EngineRequest) -> AsyncIterator[EngineStep]:
+    """An engine's ``generate`` made from its ``submit`` (a request handed over with a callback
+    for its steps, returning its abort): the steps in order; closing the iterator early aborts."""
+    steps = StepQueue()
+    abort = submit(request, steps.put)
+    try:
+        async for step in steps:
+            yield step
+    finally:
+        if not steps.finished:
+            abort()
 
 
 class EngineError(Exception):

@@ -139,15 +139,13 @@ NO_LEASE = Lease(None, None)
 class Fleet:
     """The local models of one router and their loading (module docstring)."""
 
-    def __init__(self, models: dict[str, Backend], server: "ServerConfig", metrics: "RouterMetrics | None" = None,
-                 log_level: str = "info") -> None:
+    def __init__(self, models: dict[str, Backend], server: "ServerConfig", metrics: "RouterMetrics | None" = None) -> None:
         self.limit: int | None = server.memory_limit  # type: ignore[assignment]
         self.load_timeout: float = server.load_timeout  # type: ignore[assignment]
         self.metrics = metrics
         self.slots: dict[str, ModelSlot] = {}
         for backend in models.values():
             if isinstance(backend, LocalBackend):
-                backend.log_level = log_level
                 try:
                     estimate = type(backend).estimate_memory(backend.config, backend.base_dir) or Footprint()
                 except Exception:  # noqa: BLE001 - a file it cannot read: its load will say why
@@ -159,7 +157,6 @@ class Fleet:
         self._preloads: list[asyncio.Task[None]] = []
         self._watchers: set[asyncio.Task[Any]] = set()
         self._measuring: asyncio.Task[None] | None = None
-        self.started = False
 
     # --- requests -----------------------------------------------------------------------
 
@@ -245,7 +242,7 @@ class Fleet:
 
     def _failure(self, slot: ModelSlot) -> Unavailable:
         retry = max(1, int(slot.failed_until - time.monotonic()) + 1)
-        return Unavailable(f"Model `{slot.name}` is failed: {slot.backend.error}.", param="model",
+        return Unavailable(f"Model `{slot.name}` failed: {slot.backend.error}.", param="model",
                            code="model_not_ready", headers={"Retry-After": str(retry)})
 
     # --- loading --------------------------------------------------------------------------
@@ -263,20 +260,21 @@ class Fleet:
             log.info("model %s (%s) loading, about %s", slot.name, backend.config.backend, format_size(slot.expected))
             started = time.monotonic()
             await backend.start()
-        except NoRoom:
+        except (NoRoom, asyncio.CancelledError):
             slot.reserved = False
             backend.state = "unloaded"
             raise
-        except asyncio.CancelledError:
+        except LoadError as exc:
             slot.reserved = False
-            backend.state = "unloaded"
-            raise
+            if exc.crashed and not self._crashed(slot, str(exc)):  # killed while loading: a crash
+                raise Unavailable(f"Model `{slot.name}`: {exc}; try again.", param="model",
+                                  code="model_unavailable", headers={"Retry-After": "1"}) from None
+            if not exc.crashed:
+                self._fail(slot, str(exc))
+            raise self._failure(slot) from None
         except Exception as exc:  # noqa: BLE001 - the model's failure, shown to its requests
             slot.reserved = False
-            backend.state = "failed"
-            backend.error = str(exc) if isinstance(exc, LoadError) else f"{type(exc).__name__}: {exc}"
-            slot.failed_until = time.monotonic() + FAILED_RETRY
-            log.error("model %s failed to load: %s", slot.name, backend.error)
+            self._fail(slot, f"{type(exc).__name__}: {exc}")
             raise self._failure(slot) from None
         finally:
             slot.loading = None
@@ -454,25 +452,33 @@ class Fleet:
         code = await engine.exited
         if engine.closing or slot.backend.__dict__.get("engine") is not engine:
             return  # unloaded as asked
+        slot.reserved = slot.draining = False
+        slot.resident = 0
+        slot.backend.detach()
+        self._count("model_unloads", slot, "crash")
+        why = f"its worker (pid {engine.pid}) {describe_exit(code)}"
+        if not self._crashed(slot, why):
+            log.warning("model %s: %s; it loads again on the next request", slot.name, why)
+        self._changed()
+
+    def _crashed(self, slot: ModelSlot, why: str) -> bool:
+        """Count a crash of ``slot``'s worker (``why``: how it ended); True if that makes the
+        model failed (:data:`CRASH_LIMIT` within :data:`CRASH_WINDOW`), else it is unloaded and
+        its next load waits a backoff."""
         now = time.monotonic()
         slot.crashes.append(now)
         slot.restarting = True
-        slot.reserved = slot.draining = False
-        slot.resident = 0
-        backend = slot.backend
-        backend.detach()
-        self._count("model_unloads", slot, "crash")
-        why = describe_exit(code)
-        if slot.recent_crashes(now) >= CRASH_LIMIT:
-            backend.state = "failed"
-            backend.error = (f"its worker crashed {len(slot.crashes)} times within {CRASH_WINDOW:.0f} s (the last "
-                             f"time it {why})")
-            slot.failed_until = now + FAILED_RETRY
-            log.error("model %s failed: %s", slot.name, backend.error)
-        else:
-            log.warning("model %s: its worker (pid %s) %s; it loads again on the next request", slot.name,
-                        engine.pid, why)
-        self._changed()
+        if slot.recent_crashes(now) < CRASH_LIMIT:
+            slot.backend.state = "unloaded"
+            return False
+        self._fail(slot, f"its worker crashed {len(slot.crashes)} times within {CRASH_WINDOW:.0f} s; the last time, {why}")
+        return True
+
+    def _fail(self, slot: ModelSlot, why: str) -> None:
+        slot.backend.state = "failed"
+        slot.backend.error = why
+        slot.failed_until = time.monotonic() + FAILED_RETRY
+        log.error("model %s failed: %s", slot.name, why)
 
     # --- memory ---------------------------------------------------------------------------
 
@@ -530,7 +536,6 @@ class Fleet:
     def start(self) -> None:
         """Preload the models that ask for it, in order, each only if it fits beside those
         before it (the others load on their first request)."""
-        self.started = True
         self._measuring = asyncio.create_task(self._measure_forever())
         preload = [s for s in self.slots.values() if s.backend.config.preload]
         if preload:

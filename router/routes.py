@@ -131,7 +131,8 @@ async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint
     except BaseException as exc:
         if lease is not None:
             lease.release()
-        record.close(exc.status if isinstance(exc, APIError) else 500, _prompt_text(record, body))
+        if isinstance(exc, Exception):
+            record.close(exc.status if isinstance(exc, APIError) else 500, _prompt_text(record, body))
         raise
     call = backend.chat if endpoint == "chat" else backend.complete
     try:

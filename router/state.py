@@ -49,7 +49,7 @@ class RouterState:
         self._lora_updates = asyncio.Lock()
         self.keyring = Keyring(config)
         self.metrics = RouterMetrics(self.gauges)
-        self.fleet = Fleet(self.models, config.server, self.metrics, config.server.log_level)
+        self.fleet = Fleet(self.models, config.server, self.metrics)
         self.created = int(time.time())
         self.openapi: bytes | None = None  # built on first request
         self._loading: list[asyncio.Task[None]] = []  # remote models' starts

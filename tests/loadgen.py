@@ -38,8 +38,22 @@ def rss_kb(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def tree_rss_kb(pid: int) -> int:
+    """The RSS of a process and its children: a router and its worker processes."""
+    import psutil
+
+    total = rss_kb(pid)
+    for child in psutil.Process(pid).children():
+        try:
+            total += child.memory_info().rss // 1024
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 class RssSamples:
-    """A process's RSS over a run: pass :meth:`tick` as ``run_clients``' ``on_tick`` (once a second)."""
+    """A router's RSS over a run, its worker processes' included: pass :meth:`tick` as
+    ``run_clients``' ``on_tick`` (once a second)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -47,7 +61,7 @@ class RssSamples:
         self.samples: list[tuple[float, int]] = []
 
     def tick(self) -> None:
-        self.samples.append((time.monotonic() - self.start, rss_kb(self.pid)))
+        self.samples.append((time.monotonic() - self.start, tree_rss_kb(self.pid)))
 
     def growth_after(self, seconds: float) -> tuple[int, int, float]:
         """First and last kB sampled from ``seconds`` into the run on, and the growth between them."""

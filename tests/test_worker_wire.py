@@ -99,36 +99,69 @@ class StepEngine:
             queue.put_nowait(EngineStep([65], finish_reason=finish))
 
 
+class SubmitEngine(StepEngine):
+    """The same engine with ``submit``: steps delivered by callback, as the built-in engines do."""
+
+    def submit(self, req, deliver):
+        self.seen.append(req)
+        if self.fail is not None:
+            raise self.fail
+        queue = self.queues[req.request_id] = _Delivery(deliver)
+
+        def abort():
+            if self.queues.pop(req.request_id, None) is not None:
+                self.closed.append(req.request_id)
+
+        return abort
+
+    def step(self, finish: str | None = None) -> None:
+        for rid, delivery in list(self.queues.items()):
+            delivery.put_nowait(EngineStep([65], finish_reason=finish))
+            if finish:
+                del self.queues[rid]
+
+
+class _Delivery:
+    def __init__(self, deliver):
+        self.put_nowait = deliver
+
+
+ENGINES = pytest.mark.parametrize("engine_type", [StepEngine, SubmitEngine], ids=["generate", "submit"])
+
+
 async def _host(engine):
     frames = []
     host = EngineHost(engine, lambda m: frames.append(m) or True)
     return host, frames
 
 
-def test_one_frame_carries_a_step_of_every_request():
+@ENGINES
+def test_one_frame_carries_a_step_of_every_request(engine_type):
     async def main():
-        engine = StepEngine()
+        engine = engine_type()
         host, frames = await _host(engine)
         for rid in range(8):
             host.receive(Generate(rid, request(f"r{rid}"), None))
         await asyncio.sleep(0.01)
         engine.step()
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.6)  # the engine's stats go out on their own, at most every half second
         engine.step("length")
         await asyncio.sleep(0.01)
         await host.close()
-        return [f for f in frames if f.steps]
+        return frames
 
     frames = asyncio.run(main())
-    assert len(frames) == 2
-    assert [sorted(rid for rid, _ in f.steps) for f in frames] == [list(range(8))] * 2
-    assert all(step.finish_reason == "length" for _, step in frames[1].steps)
-    assert frames[0].stats == {"running": 8, "waiting": 0}
+    steps = [f for f in frames if f.steps]
+    assert len(steps) == 2 and not any(f.stats for f in steps)
+    assert [sorted(rid for rid, _ in f.steps) for f in steps] == [list(range(8))] * 2
+    assert all(step.finish_reason == "length" for _, step in steps[1].steps)
+    assert [f.stats for f in frames if f.stats] == [{"running": 8, "waiting": 0}]
 
 
-def test_an_abort_closes_the_engines_iterator_and_nothing_more_is_sent():
+@ENGINES
+def test_an_abort_closes_the_engines_iterator_and_nothing_more_is_sent(engine_type):
     async def main():
-        engine = StepEngine()
+        engine = engine_type()
         host, frames = await _host(engine)
         host.receive(Generate(1, request("a"), None))
         host.receive(Generate(2, request("b"), None))
@@ -144,11 +177,12 @@ def test_an_abort_closes_the_engines_iterator_and_nothing_more_is_sent():
     assert closed[0] == "a" and [rid for rid, _ in steps] == [2]
 
 
+@ENGINES
 @pytest.mark.parametrize("raised, kind", [(UnknownAdapter("pirate"), UnknownAdapter), (EngineError("on fire"), EngineError),
                                           (ValueError("bad adapter"), ValueError), (RuntimeError("bug"), EngineError)])
-def test_failures_cross_as_what_they_were(raised, kind):
+def test_failures_cross_as_what_they_were(raised, kind, engine_type):
     async def main():
-        engine = StepEngine()
+        engine = engine_type()
         engine.fail = raised
         host, frames = await _host(engine)
         host.receive(Generate(5, request(), None))
@@ -163,12 +197,13 @@ def test_failures_cross_as_what_they_were(raised, kind):
     assert str(err) == (str(raised) if not isinstance(raised, RuntimeError) else "RuntimeError: bug")
 
 
-def test_constraints_are_built_where_the_engine_runs():
+@ENGINES
+def test_constraints_are_built_where_the_engine_runs(engine_type):
     spec = ConstraintSpec("choice", ["ab", "bc"], "structured_outputs.choice")
     gate = ReasoningGate.of(b"</think>", None)
 
     async def main():
-        engine = StepEngine()
+        engine = engine_type()
         host, frames = await _host(engine)
         host.receive(Call(1, "check_constraint", [msgspec.to_builtins(spec)]))
         host.receive(Call(2, "check_constraint", [msgspec.to_builtins(ConstraintSpec("regex", "(", "x"))]))

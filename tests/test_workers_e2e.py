@@ -125,6 +125,26 @@ def test_repeated_crashes_mark_the_model_failed_with_the_reason(tmp_path):
         router.stop()
 
 
+def test_a_worker_killed_while_loading_is_a_crash_not_a_failed_model(tmp_path):
+    # The torch engine takes seconds to load: time enough to kill its worker meanwhile.
+    router = RouterProcess(torch_config("t", extra="preload = false"), tmp_path)
+    try:
+        out = {}
+        waiting = threading.Thread(target=lambda: out.update(r=chat(router.url, "t")))
+        waiting.start()
+        victim = wait_for(lambda: workers(router.proc.pid).get("t"), 30, "a worker loading t")
+        victim.kill()
+        waiting.join()
+        r = out["r"]
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "was killed by SIGKILL while loading" in r.json()["error"]["message"]
+        assert statuses(router.url)["t"] == {"value": "unloaded"}  # not failed: it may load again
+        assert chat(router.url, "t").status_code == 200
+        assert metric(router.url, "router:worker_restarts_total", model="t") == 1
+    finally:
+        router.stop()
+
+
 def test_keep_alive_unloads_an_idle_model_and_its_process_ends(tmp_path):
     router = RouterProcess(llama("a", 'keep_alive = "1s"') + llama("b"), tmp_path)
     try:
@@ -243,6 +263,7 @@ def test_the_routers_memory_stays_flat_over_100_loads_and_unloads(tmp_path):
         for _ in range(90):
             cycle()
         grown = proc.memory_info().rss - before
+        print(f"\nthe router's RSS: {before / MiB:.1f} MiB after 10 loads, {grown / MiB:+.2f} MiB after 90 more")
         assert grown < 8 * MiB, f"the router grew by {grown / MiB:.1f} MiB over 90 loads"
         assert metric(router.url, "router:model_loads_total", model="echo") == 101
         assert len(workers(router.proc.pid)) == 1 and resident(workers(router.proc.pid).values()) > 0

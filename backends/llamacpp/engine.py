@@ -17,9 +17,9 @@ import itertools
 import logging
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import llama_cpp
 import numpy as np
@@ -30,10 +30,10 @@ from router.engine import (
     EngineError,
     EngineRequest,
     EngineStep,
-    StepQueue,
     TokenLogprobs,
     UnknownAdapter,
     finish_reason,
+    submitted,
 )
 
 from .sampler import Sampler, token_logprobs
@@ -52,11 +52,11 @@ _LOAD_LOCK = threading.Lock()
 class _Job:
     request: EngineRequest
     loop: asyncio.AbstractEventLoop
-    steps: StepQueue = field(default_factory=StepQueue)
+    deliver: Callable[[EngineStep | BaseException], None]
     cancelled: bool = False
 
     def emit(self, item: EngineStep | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.steps.put, item)
+        self.loop.call_soon_threadsafe(self.deliver, item)
 
 
 class LlamaCppEngine:
@@ -145,10 +145,17 @@ class LlamaCppEngine:
 
     # --- asyncio side ---------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        # Client gone or a stop string found: the thread drops it at its next step.
+        return submitted(self.submit, request)
+
+    def submit(self, request: EngineRequest, deliver: Callable[[EngineStep | BaseException], None]) -> Callable[[], None]:
+        """:meth:`generate` without an iterator (see the torch engine's): ``deliver`` gets each
+        step, or the exception that ends the request, on the calling event loop; the function
+        returned aborts it."""
         if not request.prompt_ids:
             raise EngineError("the prompt is empty")
-        job = _Job(request, asyncio.get_running_loop())
+        job = _Job(request, asyncio.get_running_loop(), deliver)
         with self._cv:
             if self._closing:
                 raise EngineError("the engine is shutting down")
@@ -156,12 +163,11 @@ class LlamaCppEngine:
                 raise UnknownAdapter(request.adapter)
             heapq.heappush(self._heap, (request.priority, request.arrival, next(self._order), job))
             self._cv.notify()
-        try:
-            async for step in job.steps:
-                yield step
-        finally:
-            # Client gone, stop string found, or done: the worker drops it at its next step.
+
+        def abort() -> None:
             job.cancelled = True
+
+        return abort
 
     # --- worker thread --------------------------------------------------------------------
 

@@ -26,9 +26,9 @@ from router.engine import (
     EngineError,
     EngineRequest,
     EngineStep,
-    StepQueue,
     UnknownAdapter,
     finish_reason,
+    submitted,
 )
 
 from .draft import DraftModel
@@ -358,7 +358,14 @@ class TorchEngine:
 
     # --- asyncio side ---------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        return submitted(self.submit, request)
+
+    def submit(self, request: EngineRequest, deliver: Callable[[EngineStep | BaseException], None]) -> Callable[[], None]:
+        """:meth:`generate` without an iterator (a worker's host serves every request this way):
+        ``deliver`` is called on the calling event loop with each step, or with the exception
+        that ends the request; the function returned aborts it (its KV blocks are freed before
+        the next step)."""
         if not request.prompt_ids:
             raise EngineError("the prompt is empty")
         if len(request.prompt_ids) + request.max_tokens > self.max_model_len:
@@ -367,7 +374,6 @@ class TorchEngine:
                 f"the engine's context of {self.max_model_len} tokens"
             )
         loop = asyncio.get_running_loop()
-        steps = StepQueue()
         with self._cv:
             if self._closing:
                 raise EngineError("the engine is shutting down")
@@ -381,19 +387,19 @@ class TorchEngine:
             if request.cache_salt is not None:
                 # A salted chain starts elsewhere: its blocks match only the same salt's.
                 root = hash((root, "cache_salt", request.cache_salt))
-            seq = Sequence(request, steps.put, self.options.block_size, adapter, root)
+            seq = Sequence(request, deliver, self.options.block_size, adapter, root)
             seq.loop = loop
             self._inbox.append(seq)
             self._cv.notify()
-        try:
-            async for step in steps:
-                yield step
-        finally:
-            if not steps.finished:
+
+        def abort() -> None:
+            if not seq.aborted:
                 seq.aborted = True
                 with self._cv:
                     self._aborts.append(seq)
                     self._cv.notify()
+
+        return abort
 
     # --- LoRA adapters at run time ------------------------------------------------------
 

@@ -44,7 +44,12 @@ class WorkerLost(EngineError):
 
 
 class LoadError(Exception):
-    """The engine did not load; the message says why (the worker's own exception)."""
+    """The engine did not load; the message says why (the worker's own exception). ``crashed``:
+    the worker process ended while loading (a crash, not the engine's refusal)."""
+
+    def __init__(self, message: str, crashed: bool = False) -> None:
+        super().__init__(message)
+        self.crashed = crashed
 
 
 def error_of(failure: Failure) -> Exception:
@@ -119,11 +124,13 @@ class WorkerEngine:
         self.capabilities: frozenset[str] = frozenset()
 
     @classmethod
-    async def spawn(cls, backend: "LocalBackend", log_level: str = "info") -> "WorkerEngine":
+    async def spawn(cls, backend: "LocalBackend") -> "WorkerEngine":
         """Start the worker, have it load ``backend``'s engine, and wait until it is ready;
-        :class:`LoadError` with the engine's own message if it does not load."""
+        :class:`LoadError` with the engine's own message if it does not load. It logs at the
+        router's level, on the router's stderr."""
         self = cls(backend.name)
-        load = Load(_backend_path(backend), msgspec.to_builtins(backend.config), str(backend.base_dir), log_level)
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        load = Load(_backend_path(backend), msgspec.to_builtins(backend.config), str(backend.base_dir), level)
         ours, theirs = socket.socketpair()
         try:
             # The same import path as ours: a backend class the router found, the worker finds.
@@ -148,8 +155,15 @@ class WorkerEngine:
         if isinstance(answer, LoadFailed):
             await self.exited
             raise LoadError(answer.error)
-        # Off the event loop: a vocabulary can take a second to read (llama.cpp's, piece by piece).
-        self.tokenizer = await asyncio.to_thread(_tokenizer, backend.name, answer.tokenizer)
+        try:
+            # Off the event loop: a vocabulary can take a second to read (llama.cpp's, piece by piece).
+            self.tokenizer = await asyncio.to_thread(_tokenizer, backend.name, answer.tokenizer)
+        except BaseException as exc:
+            await self.close()
+            if isinstance(exc, Exception):
+                raise LoadError(f"its engine's tokenizer does not unpickle in the router: {type(exc).__name__}: "
+                                f"{exc}") from None
+            raise
         self.chat_template = answer.chat_template
         self.max_model_len = answer.max_model_len
         self.capabilities = frozenset(answer.capabilities)
@@ -165,15 +179,15 @@ class WorkerEngine:
             self.exited.set_result(code)
 
     def _lost(self) -> None:
-        # The socket closed: the process is ending, and _reap says how in a moment; only a
-        # process that lingers on without its connection leaves its requests to this.
-        self._loop.call_later(2.0, self._die, describe_exit(None))
+        # The socket closed: the process is ending, and _reap says how in a moment. One that
+        # lingers on without its connection serves nobody: it is killed (then reaped as a crash).
+        self._loop.call_later(2.0, self.kill)
 
     def _die(self, how: str) -> None:
         """The process ended (``how``: :func:`describe_exit`'s words): fail the load, or every
         request and command in flight, whose engine is gone."""
         if not self._ready.done():
-            self._ready.set_exception(LoadError(f"its worker process {how} while loading"))
+            self._ready.set_exception(LoadError(f"its worker process {how} while loading", crashed=True))
         if self._death is None:
             self._death = (f"model `{self.model}` was unloaded" if self.closing
                            else f"the worker process of model `{self.model}` {how}")
@@ -335,8 +349,8 @@ class InlineEngine:
         await self.engine.remove_adapter(name)  # type: ignore[attr-defined]
 
 
-async def launch(backend: "LocalBackend", log_level: str = "info") -> WorkerEngine | InlineEngine:
+async def launch(backend: "LocalBackend") -> WorkerEngine | InlineEngine:
     """``backend``'s engine, loaded where its config says: a worker process, or here."""
     if backend.config.worker:
-        return await WorkerEngine.spawn(backend, log_level)
+        return await WorkerEngine.spawn(backend)
     return await InlineEngine.start_for(backend)

@@ -1,9 +1,10 @@
 """The worker's side of the boundary: one engine, its requests, and their steps batched.
 
-Each :class:`~router.workers.wire.Generate` runs the engine's ``generate`` in a task of its
-own; whatever the tasks produce within one turn of the event loop (an engine step delivers all
-of its sequences' tokens in one callback) leaves as one :class:`~router.workers.wire.Steps`
-frame, sent at the end of that turn.
+A :class:`~router.workers.wire.Generate` goes to the engine's ``submit`` (both built-in engines
+have it: each step is delivered by a plain callback, with no task or iterator per request), or,
+for an engine with ``generate`` alone, to a task of its own. Whatever arrives within one turn of
+the event loop (an engine step delivers all of its sequences' tokens in one callback) leaves as
+one :class:`~router.workers.wire.Steps` frame, sent at the end of that turn.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +26,8 @@ from .wire import Abort, Call, Failure, Generate, Reply, Steps, Stop
 log = logging.getLogger("router.worker")
 
 STATS_INTERVAL = 0.5
-"""Seconds between two looks at the engine's stats; they travel only when they changed."""
+"""Seconds between two looks at the engine's stats; they travel only when they changed (the
+router's /health and /metrics read them at most this stale)."""
 
 
 def failure_of(rid: int, exc: BaseException) -> Failure:
@@ -48,7 +51,9 @@ class EngineHost:
         self.engine = engine
         self.grammars = GrammarCompiler(engine.tokenizer)
         self._send = send
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._submit = getattr(engine, "submit", None)
+        self._aborts: dict[int, Callable[[], None]] = {}  # requests submitted, not finished
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # requests being run by a task
         self._steps: list[tuple[int, EngineStep]] = []
         self._failures: list[Failure] = []
         self._flushing = False
@@ -61,21 +66,55 @@ class EngineHost:
 
     def receive(self, message: Any) -> None:
         if isinstance(message, Generate):
-            task = self._loop.create_task(self._run(message.rid, message.request, message.constraint))
-            self._tasks[message.rid] = task
+            if self._submit is not None and message.constraint is None:
+                self._start(message.rid, message.request)
+            else:
+                task = self._loop.create_task(self._run(message.rid, message.request, message.constraint))
+                self._tasks[message.rid] = task
         elif isinstance(message, Abort):
+            abort = self._aborts.pop(message.rid, None)
+            if abort is not None:
+                abort()  # the engine frees the sequence's memory before its next step
             task = self._tasks.pop(message.rid, None)
             if task is not None:
-                task.cancel()  # closes the engine's iterator: the sequence's memory is freed
+                task.cancel()  # closes the engine's iterator: the same
         elif isinstance(message, Call):
             self._loop.create_task(self._call(message))
         elif isinstance(message, Stop):
             self.stopped.set()
 
+    def _start(self, rid: int, request: EngineRequest) -> None:
+        try:
+            self._aborts[rid] = self._submit(request, partial(self._deliver, rid))  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - refused at once (an empty prompt, say)
+            self._fail(rid, request, exc)
+
+    def _deliver(self, rid: int, item: EngineStep | BaseException) -> None:
+        if rid not in self._aborts:
+            return  # aborted meanwhile: the router expects nothing more
+        if isinstance(item, BaseException):
+            del self._aborts[rid]
+            self._failures.append(failure_of(rid, item))
+        else:
+            if item.finish_reason is not None:
+                del self._aborts[rid]
+            self._steps.append((rid, item))
+        self._schedule_flush()
+
+    def _fail(self, rid: int, request: EngineRequest, exc: Exception) -> None:
+        if not isinstance(exc, (EngineError, APIError)):
+            log.error("request %s failed", request.request_id, exc_info=exc)
+        self._failures.append(failure_of(rid, exc))
+        self._schedule_flush()
+
     async def _run(self, rid: int, request: EngineRequest, plan: ConstraintPlan | None) -> None:
         try:
             if plan is not None:
                 request.constraint = await self._build(plan)
+            if self._submit is not None:
+                if rid in self._tasks:  # not aborted while its grammar was built
+                    self._start(rid, request)
+                return
             async with aclosing(self.engine.generate(request)) as steps:
                 async for step in steps:
                     self._emit_step(rid, step)
@@ -84,10 +123,7 @@ class EngineHost:
         except asyncio.CancelledError:
             return  # aborted by the router: it expects nothing more
         except Exception as exc:  # noqa: BLE001 - the request's failure, the worker serves on
-            if not isinstance(exc, (EngineError, APIError)):
-                log.exception("request %s failed", request.request_id)
-            self._failures.append(failure_of(rid, exc))
-            self._schedule_flush()
+            self._fail(rid, request, exc)
         finally:
             self._tasks.pop(rid, None)
 
@@ -130,7 +166,9 @@ class EngineHost:
             return
         steps, self._steps = self._steps, []
         failures, self._failures = self._failures, []
-        self._send(Steps(steps, failures, self._changed_stats()))
+        # Stats travel with the watcher's look, not each step's frame: per token at c=1 they were
+        # the engine's stats() called, compared and encoded for nobody in particular.
+        self._send(Steps(steps, failures))
 
     def _changed_stats(self) -> dict[str, Any] | None:
         try:
@@ -152,6 +190,9 @@ class EngineHost:
 
     async def close(self) -> None:
         """Abort what still runs (the router has failed those requests already)."""
+        aborts, self._aborts = self._aborts, {}
+        for abort in aborts.values():
+            abort()
         self._stats_task.cancel()
         tasks = list(self._tasks.values())
         for task in tasks:

@@ -166,9 +166,11 @@ class EngineHost:
             return
         steps, self._steps = self._steps, []
         failures, self._failures = self._failures, []
-        # Stats travel with the watcher's look, not each step's frame: per token at c=1 they were
-        # the engine's stats() called, compared and encoded for nobody in particular.
-        self._send(Steps(steps, failures))
+        # Stats travel with the frame that ends a request (its client may read /metrics next: a
+        # speculative decode's counters, say) and with the watcher's look, not every step's frame:
+        # per token at c=1 they were the engine's stats() called, compared and encoded for nobody.
+        ends = failures or any(step.finish_reason is not None for _, step in steps)
+        self._send(Steps(steps, failures, self._changed_stats() if ends else None))
 
     def _changed_stats(self) -> dict[str, Any] | None:
         try:

@@ -148,6 +148,10 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
     assert distance(hf_prompt_logprobs(folder, prompt), hf_prompt_logprobs(folder, prompt, **config)) > 0.02
 
 
+# hunyuan_moe and solar_open take float16 keys: with bfloat16 ones the two paths' differently rounded
+# keys moved a near-tied router score to another expert at one position (0.0345 on solar_open's
+# first token, every other within 0.0011; hunyuan_moe's flat tiny logits reordered), which says
+# nothing of the C step. Mixtures of experts under bfloat16 keys stay covered by the other rows.
 @pytest.mark.parametrize("arch,fmt,kv", [("smollm3", "int4", "auto"), ("smollm3", "int8", "bfloat16"),
                                          ("granite", "int8", "auto"), ("granite", "int4", "float16"),
                                          ("granitemoe", "int8", "auto"), ("granitemoe", "int4", "auto"),
@@ -165,7 +169,7 @@ def test_the_tiny_configs_exercise_what_they_set(checkpoints, arch, config):
                                          ("internlm3", "int8", "auto"), ("vaultgemma", "int4", "auto"),
                                          ("vaultgemma", "int8", "float16"), ("helium", "int8", "auto"),
                                          ("helium", "int4", "bfloat16"), ("hunyuan_moe", "int8", "auto"),
-                                         ("hunyuan_moe", "int4", "bfloat16"), ("cohere2", "int8", "auto"),
+                                         ("hunyuan_moe", "int4", "float16"), ("cohere2", "int8", "auto"),
                                          ("arcee", "int4", "auto"), ("jais2", "int8", "bfloat16"),
                                          ("starcoder2", "int8", "auto"), ("starcoder2", "int4", "float16"),
                                          ("nemotron", "int4", "auto"), ("stablelm", "int8", "auto"),

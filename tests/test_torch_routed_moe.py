@@ -134,11 +134,15 @@ def assert_routing_matches_transformers(folder, dtype):
     assert torch.allclose(weights.gather(1, order).float(), ref_weights.gather(1, ref_order).float(), atol=1e-6)
 
 
+# hunyuan_moe and solar_open take float16 keys: with bfloat16 ones the two paths' differently rounded
+# keys moved a near-tied router score to another expert at one position (0.0345 on solar_open's
+# first token, every other within 0.0011; hunyuan_moe's flat tiny logits reordered), which says
+# nothing of the C step. Mixtures of experts under bfloat16 keys stay covered by the other rows.
 @pytest.mark.parametrize("arch,fmt,kv", [("glm4_moe", "int8", "auto"), ("glm4_moe", "int4", "bfloat16"),
                                          ("dots1", "int8", "auto"), ("dots1", "int4", "auto"),
                                          ("ernie4_5_moe", "int8", "auto"), ("ernie4_5_moe", "int4", "float16"),
                                          ("minimax_m2", "int8", "auto"), ("minimax_m2", "int4", "auto"),
-                                         ("solar_open", "int8", "auto"), ("solar_open", "int4", "bfloat16"),
+                                         ("solar_open", "int8", "auto"), ("solar_open", "int4", "float16"),
                                          ("exaone_moe", "int8", "auto"), ("exaone_moe", "int4", "auto")])
 def test_c_steps_match_the_packed_torch_path(checkpoints, arch, fmt, kv):
     """The one C call per step (the choice bias, the groups, sigmoid scores, the scaling factor,

@@ -17,6 +17,8 @@ from litestar.exceptions import HTTPException
 from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp, Receive, Scope, Send
 
+from .anthropic.errors import envelope as anthropic_envelope
+from .anthropic.errors import is_anthropic_path
 from .config import RouterConfig
 from .errors import APIError, ErrorBody, ErrorEnvelope, ServerError
 from .gctune import tune_for_serving
@@ -52,8 +54,17 @@ _HTTP_TYPES = {
 }
 
 
+def _envelope(request: Request, status: int, type_: str, message: str, param: str | None = None,
+              code: str | int | None = None) -> bytes:
+    """OpenAI's error envelope, or Anthropic's on Anthropic's paths."""
+    if is_anthropic_path(request.url.path):
+        return anthropic_envelope(status, type_, message)
+    return _encoder.encode(ErrorEnvelope(ErrorBody(message, type_, param, code)))
+
+
 def _api_error(request: Request, exc: APIError) -> Response[bytes]:
-    return json_response(exc.to_json(), exc.status, _headers(request, exc.headers))
+    body = _envelope(request, exc.status, exc.type, exc.message, exc.param, exc.code)
+    return json_response(body, exc.status, _headers(request, exc.headers))
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response[bytes]:
@@ -67,13 +78,13 @@ def _http_error(request: Request, exc: HTTPException) -> Response[bytes]:
         message = f"Method {request.method} is not allowed for {request.url.path}"
     elif status == 413:
         message = "The request body is too large."
-    body = ErrorEnvelope(ErrorBody(message, _HTTP_TYPES.get(status, "invalid_request_error")))
-    return json_response(_encoder.encode(body), status, _headers(request, dict(exc.headers or {})))
+    body = _envelope(request, status, _HTTP_TYPES.get(status, "invalid_request_error"), message)
+    return json_response(body, status, _headers(request, dict(exc.headers or {})))
 
 
 def _server_error(request: Request, exc: Exception) -> Response[bytes]:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return json_response(ServerError("Internal server error.").to_json(), 500, _headers(request))
+    return _api_error(request, ServerError("Internal server error."))
 
 
 _EXCEPTION_HANDLERS = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}

@@ -1,4 +1,5 @@
-"""API keys: ``Authorization: Bearer <key>`` on every endpoint but /health and /version.
+"""API keys: ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) on every endpoint
+but /health and /version.
 
 ``[server] api_keys`` may use every model; each ``[[keys]]`` entry only the models it lists (any
 other model answers 404, as if it did not exist). Keys are compared in constant time, against
@@ -39,7 +40,7 @@ class Keyring:
     def models_for(self, authorization: str | None) -> frozenset[str] | None:
         """The models this caller may use (None: all). Raises 401 without a valid key."""
         if not authorization:
-            raise Unauthorized("Missing API key: send `Authorization: Bearer <key>`.")
+            raise Unauthorized("Missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).")
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthorized("The Authorization header must be `Bearer <key>`.")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, ClassVar, Union
 
+import msgspec
+
 from .config import ModelConfig, resolve_path
 from .engine import Engine
 from .errors import BadRequest, Unavailable
@@ -111,6 +113,14 @@ class Backend(abc.ABC):
     async def detokenize(self, request: Any) -> bytes:
         """Answer ``/detokenize``."""
         raise BadRequest(f"Model `{self.name}` cannot detokenize here.", param="model")
+
+    async def count_prompt_tokens(self, request: Any, params: GenerationParams) -> int:
+        """The prompt tokens a decoded chat request takes, as its usage reports them (Anthropic's
+        ``count_tokens``). Here: a one-token answer's usage, what any backend can give."""
+        params.max_tokens, params.stream, params.fit_max_tokens = 1, False, False
+        reply = await self.chat(request, params)
+        assert isinstance(reply, bytes)
+        return int(msgspec.json.decode(reply)["usage"]["prompt_tokens"])
 
     @abc.abstractmethod
     async def chat(self, request: Any, params: GenerationParams) -> Reply:
@@ -222,6 +232,11 @@ class LocalBackend(Backend):
 
         return serving.tokenize(self, request)
 
+    async def count_prompt_tokens(self, request: Any, params: GenerationParams) -> int:
+        from . import serving
+
+        return serving.count_chat_prompt(self, request, params)
+
     async def detokenize(self, request: Any) -> bytes:
         from . import serving
 
@@ -269,6 +284,9 @@ class AdapterModel(Backend):
 
     async def detokenize(self, request: Any) -> bytes:
         return await self.parent.detokenize(request)
+
+    async def count_prompt_tokens(self, request: Any, params: GenerationParams) -> int:
+        return await self.parent.count_prompt_tokens(request, params)  # an adapter adds no tokens
 
     async def chat(self, request: Any, params: GenerationParams) -> Reply:
         params.adapter = self.adapter

@@ -12,6 +12,8 @@ from typing import Any
 import msgspec
 
 from . import __version__
+from .anthropic.protocol import CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest
+from .anthropic.protocol import ErrorResponse as AnthropicError
 from .errors import ErrorEnvelope
 from .protocol import (
     ChatCompletion,
@@ -68,24 +70,27 @@ def build(types: RequestTypes, model_names: list[str], lora_updates: bool = Fals
         types.chat, types.completions, TokenizeRequest, DetokenizeRequest,
         ChatCompletion, Completion, ModelList, ModelCard, TokenizeResponse, DetokenizeResponse,
         ErrorEnvelope, Health, Version, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ModelName,
+        MessagesRequest, MessageResponse, CountTokensRequest, CountTokensResponse, AnthropicError,
     ]
     (chat_req, comp_req, tok_req, detok_req, chat_resp, comp_resp, model_list, model_card, tok_resp,
-     detok_resp, envelope, health, version, load_req, unload_req, model_name), components = msgspec.json.schema_components(
+     detok_resp, envelope, health, version, load_req, unload_req, model_name, messages_req, message_resp,
+     count_req, count_resp, anthropic_envelope), components = msgspec.json.schema_components(
         models, ref_template="#/components/schemas/{name}"
     )
 
     # `model` names one of the served models (any other name is a 404 model_not_found).
-    for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest", "ModelName"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest", "ModelName",
+                 "MessagesRequest", "CountTokensRequest"):
         if model_names:
             components[name]["properties"]["model"] = {"type": "string", "enum": list(model_names)}
 
-    def errors(*codes: str) -> dict[str, Any]:
+    def errors(*codes: str, schema: dict = envelope) -> dict[str, Any]:
         return {
-            code: {"description": _ERRORS[code], "content": {"application/json": {"schema": envelope}}}
+            code: {"description": _ERRORS[code], "content": {"application/json": {"schema": schema}}}
             for code in codes
         }
 
-    def generation(request: dict, response: dict, summary: str) -> dict[str, Any]:
+    def generation(request: dict, response: dict, summary: str, error: dict = envelope) -> dict[str, Any]:
         return {
             "post": {
                 "summary": summary,
@@ -99,7 +104,7 @@ def build(types: RequestTypes, model_names: list[str], lora_updates: bool = Fals
                             "text/event-stream": {"schema": _SSE_EVENT},
                         },
                     },
-                    **errors("400", "401", "404", "413", "429", "500", "503"),
+                    **errors("400", "401", "404", "413", "429", "500", "503", schema=error),
                 },
             }
         }
@@ -125,6 +130,12 @@ def build(types: RequestTypes, model_names: list[str], lora_updates: bool = Fals
     paths = {
         "/v1/chat/completions": generation(chat_req, chat_resp, "Chat completions (OpenAI)"),
         "/v1/completions": generation(comp_req, comp_resp, "Text completions (OpenAI)"),
+        "/v1/messages": generation(messages_req, message_resp, "Messages (Anthropic; named events when streamed)",
+                                   anthropic_envelope),
+        "/v1/messages/count_tokens": {"post": {
+            **json_op("post", count_resp, "A message request's input tokens (Anthropic)", body=count_req)["post"],
+            "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": count_resp}}},
+                          **errors("400", "401", "404", "413", "500", "503", schema=anthropic_envelope)}}},
         "/v1/models": json_op("get", model_list, "Models this caller may use", "401", "500"),
         "/v1/models/{model_id}": json_op(
             "get", model_card, "One model", "401", "404", "500",

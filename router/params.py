@@ -23,6 +23,8 @@ class GenerationParams:
     max_tokens: int | None = None
     max_tokens_cap: int | None = None
     """The model's ``max_tokens_limit``: the most a request may generate when it names no max."""
+    fit_max_tokens: bool = False
+    """A ``max_tokens`` beyond what the context leaves is lowered to it (Anthropic's door), not a 400."""
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False

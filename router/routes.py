@@ -13,6 +13,8 @@ from litestar.response.base import ASGIResponse
 from litestar.types import Receive, Scope, Send
 
 from . import __version__, sse
+from .anthropic.door import MessagesDoor
+from .anthropic.protocol import CountTokensResponse
 from .auth import OPEN_PATHS
 from .backend import AdapterModel, Backend
 from .connection import header, read_body, scope_state
@@ -57,7 +59,10 @@ def identify(scope: Scope, state: RouterState | None = None) -> None:
     request_id.set(rid)
     keyring = (state or router_state(scope)).keyring
     if keyring.enabled and scope["path"] not in OPEN_PATHS:
-        own["allowed_models"] = keyring.models_for(header(scope, b"authorization"))
+        given = header(scope, b"authorization")
+        if given is None and (key := header(scope, b"x-api-key")):  # Anthropic's clients' header
+            given = f"Bearer {key}"
+        own["allowed_models"] = keyring.models_for(given)
 
 
 def _allowed(request: Request) -> frozenset[str] | None:
@@ -97,12 +102,16 @@ async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint
     server = state.config.server
     own = scope_state(scope)
     rid = own["request_id"]
+    door = MessagesDoor(state, own.get("allowed_models")) if endpoint == "messages" else None
     record = RequestRecord(state.metrics, rid, endpoint, log_content=server.log_content)
     body = b""
     lease = None
     try:
         body = await read_body(scope, receive, server.max_body_bytes)
-        if endpoint == "chat":
+        if door is not None:  # another API's request, as the chat request it means
+            req, params = door.decode(body)
+            endpoint = "chat"
+        elif endpoint == "chat":
             req = state.types.decode_chat(body)
             params = chat_params(req)
         else:
@@ -120,7 +129,8 @@ async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint
                 if params.stream:
                     await unless_disconnected(watch, asyncio.wait([loading], timeout=STREAM_LOAD_GRACE))
                     if not loading.done():
-                        return _loading_stream(state, req, params, backend, endpoint, record, body, watch, loading)
+                        return _loading_stream(state, req, params, backend, endpoint, record, body, watch, loading,
+                                               door)
                 lease = await unless_disconnected(watch, loading)
             except BaseException:
                 _let_go(loading)
@@ -146,8 +156,12 @@ async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint
                 lease.release()
                 record.close(200 if completed else 499, _prompt_text(record, body))
 
+            if door is not None:
+                events = door.stream(events)
             return event_stream(Relay(events, done), {"x-request-id": rid}, watch)
         reply = await unless_disconnected(watch, call(req, params))
+        if door is not None:
+            reply = door.reply(reply)
     except BaseException as exc:
         ticket.release()
         lease.release()
@@ -188,12 +202,13 @@ def _let_go(loading: "asyncio.Future[Any]") -> None:
 
 def _loading_stream(state: RouterState, req: Any, params: Any, backend: Backend, endpoint: str,
                     record: RequestRecord, body: bytes, watch: DisconnectWatch,
-                    loading: "asyncio.Future[Any]") -> ASGIResponse:
+                    loading: "asyncio.Future[Any]", door: MessagesDoor | None = None) -> ASGIResponse:
     """A stream whose model is still loading after :data:`STREAM_LOAD_GRACE`: the response
     starts and SSE comment lines keep the connection alive while the model loads; the answer
     follows as usual. What would have been an error status (a 503 for a model that cannot load,
     a 400 the loaded model's checks find) comes in-band, ``data: {"error": ...}`` then
-    ``data: [DONE]``. ``loading``: the lease being waited for (this stream's now)."""
+    ``data: [DONE]``. ``loading``: the lease being waited for (this stream's now); ``door``:
+    the other API whose events these become, if any."""
     held: dict[str, Any] = {"status": 499}
 
     async def events() -> AsyncIterator[bytes]:
@@ -228,7 +243,8 @@ def _loading_stream(state: RouterState, req: Any, params: Any, backend: Backend,
             _let_go(loading)
         record.close(held["status"] if completed else 499, _prompt_text(record, body))
 
-    return event_stream(Relay(events(), done), {"x-request-id": record.request_id}, watch)
+    answer = events() if door is None else door.stream(events())
+    return event_stream(Relay(answer, done), {"x-request-id": record.request_id}, watch)
 
 
 def _prompt_text(record: RequestRecord, body: bytes) -> str | None:
@@ -240,6 +256,9 @@ def _cap_max_tokens(params: Any, backend: Backend) -> None:
     if limit is None:
         return
     if params.max_tokens is not None and params.max_tokens > limit:
+        if params.fit_max_tokens:
+            params.max_tokens = limit
+            return
         raise BadRequest(
             f"max_tokens is {params.max_tokens}; model `{backend.name}` allows at most {limit}.",
             param="max_tokens",
@@ -260,7 +279,7 @@ def _check_response_format(req: Any, params: Any) -> None:
 
 # The generation endpoints' paths; a POST to one of them usually arrives through the app's fast
 # lane (:class:`router.app.GenerationLane`), everything else through these handlers.
-GENERATION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+GENERATION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages"}
 
 
 @asgi("/v1/chat/completions", copy_scope=False)
@@ -269,10 +288,40 @@ async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
     await _generation_endpoint(scope, receive, send, "chat")
 
 
+@asgi("/v1/messages", copy_scope=False)
+async def messages(scope: Scope, receive: Receive, send: Send) -> None:
+    """Anthropic's Messages API, streamed (named SSE events) or not, through the chat pipeline."""
+    await _generation_endpoint(scope, receive, send, "messages")
+
+
 @asgi("/v1/completions", copy_scope=False)
 async def completions(scope: Scope, receive: Receive, send: Send) -> None:
     """OpenAI (legacy) text completions, streamed (SSE) or not."""
     await _generation_endpoint(scope, receive, send, "completions")
+
+
+@post("/v1/messages/count_tokens", status_code=200)
+async def count_tokens(request: Request) -> Response[bytes]:
+    """Anthropic's token count: the input tokens the same ``/v1/messages`` request's usage reports."""
+    state = state_of(request)
+    req, params = MessagesDoor(state, _allowed(request)).decode(await request.body(), counting=True)
+    check_limits(req, params, state.config.server.limits)
+    backend = state.model(req.model, _allowed(request))
+    record = RequestRecord(state.metrics, request_state(request)["request_id"], "count_tokens",
+                           model=req.model, backend=backend.config.backend)
+    status = 500
+    lease = await state.fleet.lease(backend)  # the tokenizer (and template) come with the model
+    try:
+        _prepare(state, req, params, backend, "chat", record)
+        count = await backend.count_prompt_tokens(req, params)
+        status = 200
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        lease.release()
+        record.close(status)
+    return json_response(_encoder.encode(CountTokensResponse(input_tokens=count)), headers=_rid_header(request))
 
 
 # --- vocabulary -----------------------------------------------------------------------------
@@ -456,5 +505,5 @@ async def unload_lora_adapter(request: Request) -> Response[str]:
     return _plain(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", request)
 
 
-ROUTES = [chat_completions, completions, tokenize, detokenize, list_models, get_model, health, version, metrics, openapi,
+ROUTES = [chat_completions, completions, messages, count_tokens, tokenize, detokenize, list_models, get_model, health, version, metrics, openapi,
           load_model, unload_model, load_lora_adapter, unload_lora_adapter]

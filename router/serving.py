@@ -508,13 +508,11 @@ def _request_id(prefix: str) -> str:
 # --- chat -------------------------------------------------------------------------------------
 
 
-async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) -> bytes | AsyncIterator[bytes]:
-    engine = backend.engine
-    tok = engine.tokenizer
-    parser = _tool_parser(backend, params)
-    prompt = build_chat_prompt(
+def chat_prompt(backend: "LocalBackend", request: Any, params: GenerationParams, parser: Any) -> list[int]:
+    """The token ids a chat request's messages become (before any truncation)."""
+    return build_chat_prompt(
         backend.template,
-        tok,
+        backend.engine.tokenizer,
         request.messages,
         tools=params.tools,
         add_generation_prompt=params.add_generation_prompt,
@@ -522,7 +520,22 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         template_kwargs=_template_kwargs(params),
         tool_format=backend.config.tool_parser if parser is not None else None,
     )
+
+
+def count_chat_prompt(backend: "LocalBackend", request: Any, params: GenerationParams) -> int:
+    """How many tokens a chat request's prompt takes: what its usage reports as prompt tokens."""
+    return len(chat_prompt(backend, request, params, _tool_parser(backend, params)))
+
+
+async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) -> bytes | AsyncIterator[bytes]:
+    engine = backend.engine
+    tok = engine.tokenizer
+    parser = _tool_parser(backend, params)
+    prompt = chat_prompt(backend, request, params, parser)
     prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, params.max_tokens, engine.max_model_len)
+    if params.fit_max_tokens and params.max_tokens is not None:
+        # Anthropic's clients send large fixed budgets: what the context leaves is the most.
+        params.max_tokens = min(params.max_tokens, max(engine.max_model_len - len(prompt), 0)) or None
     max_tokens = check_length(len(prompt), params.max_tokens, engine.max_model_len, "messages")
     if params.max_tokens is None and params.max_tokens_cap is not None:
         max_tokens = min(max_tokens, params.max_tokens_cap)

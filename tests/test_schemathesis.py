@@ -35,7 +35,7 @@ def test_openapi_document_describes_every_endpoint(fuzz_target):
     doc = httpx.get(f"{fuzz_target.url}/schema/openapi.json").json()
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}",
                                  "/tokenize", "/detokenize", "/health", "/version", "/metrics", "/models/load",
-                                 "/models/unload"}
+                                 "/models/unload", "/v1/messages", "/v1/messages/count_tokens"}
     assert doc["paths"]["/models/unload"]["post"]["responses"]["409"]
     assert doc["components"]["schemas"]["ModelName"]["properties"]["model"]["enum"] == ["smollm2", "smollm2-torch"]
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]

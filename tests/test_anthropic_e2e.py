@@ -228,3 +228,44 @@ def test_a_worker_killed_mid_stream_ends_it_with_an_error_event(front):
     # The next request loads the model again and is answered.
     again = claude.messages.create(model="lazy", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
     assert again.content and again.stop_reason in ("max_tokens", "end_turn")
+
+
+def claude_code_request(model: str) -> dict:
+    """The shape of Claude Code 2.1.197's first request (captured from the real binary against a
+    stub; the texts are ours): three system blocks, two with cache marks; a user turn of two text
+    blocks; a system entry inside messages; 24 tools; its thinking, effort, context editing and
+    metadata; 32,000 output tokens; streamed."""
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"],
+              "additionalProperties": False, "$schema": "http://json-schema.org/draft-07/schema#"}
+    mark = {"type": "ephemeral"}
+    return {
+        "model": model,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "<system-reminder>Context.</system-reminder>"},
+                                         {"type": "text", "text": "Say hello", "cache_control": mark}]},
+            {"role": "system", "content": "A note from the harness."}],
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197;"},
+                   {"type": "text", "text": "You are a coding agent.", "cache_control": mark},
+                   {"type": "text", "text": "Be careful. " * 2000, "cache_control": mark}],
+        "tools": [{"name": f"Tool{i}", "description": "Does a thing. " * 40, "input_schema": schema} for i in range(24)],
+        "metadata": {"user_id": '{"device_id":"d","account_uuid":"","session_id":"s"}'},
+        "max_tokens": 32000,
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "stream": True,
+    }
+
+
+def test_what_claude_code_sends_is_answered(front, upstream):
+    upstream.reset("ok")
+    headers = {"x-api-key": "sekret", "anthropic-version": "2023-06-01", "x-app": "cli",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27"}
+    with httpx.stream("POST", f"{front.url}/v1/messages?beta=true", json=claude_code_request("relay"),
+                      headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = events_of(r.iter_lines())
+    assert [n for n, _ in events][-2:] == ["message_delta", "message_stop"]
+    sent = upstream.hits[-1]["body"]
+    assert [m["role"] for m in sent["messages"]] == ["system", "user", "system"] and len(sent["tools"]) == 24
+    assert sent["max_tokens"] == 32000  # a remote model's context is its upstream's to enforce

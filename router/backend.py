@@ -48,6 +48,8 @@ class Backend(abc.ABC):
     """Whether its engine runs on this machine, loaded and unloaded by the fleet
     (:mod:`router.fleet`); only such models take ``preload``, ``keep_alive``, ``pin`` and
     ``worker``."""
+    tasks: ClassVar[frozenset[str]] = frozenset({"generate"})
+    """The ``task`` values a model of this backend may have (``generate``, ``embed``)."""
 
     def __init__(self, config: ModelConfig, base_dir: Path = Path(".")) -> None:
         self.config = config
@@ -121,6 +123,10 @@ class Backend(abc.ABC):
         reply = await self.chat(request, params)
         assert isinstance(reply, bytes)
         return int(msgspec.json.decode(reply)["usage"]["prompt_tokens"])
+
+    async def embed(self, request: Any) -> tuple[bytes, int]:
+        """Answer a decoded ``/v1/embeddings`` request: the JSON body, and the prompt tokens."""
+        raise BadRequest(f"Model `{self.name}` cannot embed here.", param="model")
 
     @abc.abstractmethod
     async def chat(self, request: Any, params: GenerationParams) -> Reply:
@@ -236,6 +242,11 @@ class LocalBackend(Backend):
         from . import serving
 
         return serving.count_chat_prompt(self, request, params)
+
+    async def embed(self, request: Any) -> tuple[bytes, int]:
+        from .embeddings import embed
+
+        return await embed(self, request)
 
     async def detokenize(self, request: Any) -> bytes:
         from . import serving

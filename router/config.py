@@ -98,6 +98,9 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
     name: Annotated[str, Meta(min_length=1)]
     backend: str
+    task: Literal["generate", "embed"] = "generate"
+    """What the model does: ``generate`` (chat, completions, messages) or ``embed``
+    (``/v1/embeddings``), as vLLM's ``--task``. Each endpoint refuses the other task's models."""
     max_model_len: Annotated[int, Meta(ge=16)] | None = None
     chat_template: str | None = None
     """Path of a Jinja file that overrides the model's own chat template."""
@@ -247,6 +250,10 @@ def parse_config(
             problems.append(f"{where}.name: `{model.name}` is already used by models[{seen[model.name]}]")
             continue
         seen[model.name] = i
+        tasks = getattr(backend, "tasks", frozenset({"generate"}))
+        if model.task not in tasks:
+            problems.append(f"{where}.task: backend `{backend_name}` cannot `{model.task}` here; it can "
+                            + ", ".join(f"`{t}`" for t in sorted(tasks)))
         for adapter in model.adapter_names():
             if adapter in seen:
                 problems.append(f"{where}: adapter name `{adapter}` is already used by models[{seen[adapter]}]")

@@ -14,6 +14,7 @@ import msgspec
 from . import __version__
 from .anthropic.protocol import CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest
 from .anthropic.protocol import ErrorResponse as AnthropicError
+from .embeddings import EmbeddingList, EmbeddingRequest
 from .errors import ErrorEnvelope
 from .protocol import (
     ChatCompletion,
@@ -71,16 +72,17 @@ def build(types: RequestTypes, model_names: list[str], lora_updates: bool = Fals
         ChatCompletion, Completion, ModelList, ModelCard, TokenizeResponse, DetokenizeResponse,
         ErrorEnvelope, Health, Version, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ModelName,
         MessagesRequest, MessageResponse, CountTokensRequest, CountTokensResponse, AnthropicError,
+        EmbeddingRequest, EmbeddingList,
     ]
     (chat_req, comp_req, tok_req, detok_req, chat_resp, comp_resp, model_list, model_card, tok_resp,
      detok_resp, envelope, health, version, load_req, unload_req, model_name, messages_req, message_resp,
-     count_req, count_resp, anthropic_envelope), components = msgspec.json.schema_components(
+     count_req, count_resp, anthropic_envelope, embed_req, embed_resp), components = msgspec.json.schema_components(
         models, ref_template="#/components/schemas/{name}"
     )
 
     # `model` names one of the served models (any other name is a 404 model_not_found).
     for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest", "ModelName",
-                 "MessagesRequest", "CountTokensRequest"):
+                 "MessagesRequest", "CountTokensRequest", "EmbeddingRequest"):
         if model_names:
             components[name]["properties"]["model"] = {"type": "string", "enum": list(model_names)}
 
@@ -136,6 +138,8 @@ def build(types: RequestTypes, model_names: list[str], lora_updates: bool = Fals
             **json_op("post", count_resp, "A message request's input tokens (Anthropic)", body=count_req)["post"],
             "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": count_resp}}},
                           **errors("400", "401", "404", "413", "500", "503", schema=anthropic_envelope)}}},
+        "/v1/embeddings": json_op("post", embed_resp, "Embeddings (OpenAI; models with task = \"embed\")",
+                                  "400", "401", "404", "413", "429", "500", "503", body=embed_req),
         "/v1/models": json_op("get", model_list, "Models this caller may use", "401", "500"),
         "/v1/models/{model_id}": json_op(
             "get", model_card, "One model", "401", "404", "500",

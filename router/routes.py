@@ -18,6 +18,7 @@ from .anthropic.protocol import CountTokensResponse
 from .auth import OPEN_PATHS
 from .backend import AdapterModel, Backend
 from .connection import header, read_body, scope_state
+from .embeddings import EmbeddingRequest
 from .errors import APIError, BadRequest, ErrorBody
 from .protocol import (
     DetokenizeRequest,
@@ -121,6 +122,7 @@ async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint
         check_limits(req, params, server.limits, body)
         backend = state.model(req.model, own.get("allowed_models"))
         record.backend = backend.config.backend
+        _check_task(backend, "generate")
         watch = DisconnectWatch(receive)  # one for the whole request: load, queue, backend, stream
         lease = state.fleet.lease_now(backend)
         if lease is None:  # the model must load first
@@ -171,6 +173,17 @@ async def _generate(state: RouterState, scope: Scope, receive: Receive, endpoint
     lease.release()
     record.close(200, _prompt_text(record, body))
     return json_reply(reply, {"x-request-id": rid})
+
+
+_ENDPOINTS = {"generate": "/v1/chat/completions, /v1/completions or /v1/messages", "embed": "/v1/embeddings"}
+
+
+def _check_task(backend: Backend, wanted: str) -> None:
+    """A 400 for a request to a model of the other task (an embedding model asked to chat)."""
+    task = backend.config.task
+    if task != wanted:
+        raise BadRequest(f"Model `{backend.name}` has task `{task}`: send its requests to {_ENDPOINTS[task]}.",
+                         param="model", code="wrong_task")
 
 
 def _prepare(state: RouterState, req: Any, params: Any, backend: Backend, endpoint: str, record: RequestRecord) -> None:
@@ -307,6 +320,7 @@ async def count_tokens(request: Request) -> Response[bytes]:
     req, params = MessagesDoor(state, _allowed(request)).decode(await request.body(), counting=True)
     check_limits(req, params, state.config.server.limits)
     backend = state.model(req.model, _allowed(request))
+    _check_task(backend, "generate")
     record = RequestRecord(state.metrics, request_state(request)["request_id"], "count_tokens",
                            model=req.model, backend=backend.config.backend)
     status = 500
@@ -322,6 +336,39 @@ async def count_tokens(request: Request) -> Response[bytes]:
         lease.release()
         record.close(status)
     return json_response(_encoder.encode(CountTokensResponse(input_tokens=count)), headers=_rid_header(request))
+
+
+_embeddings_decoder = msgspec.json.Decoder(EmbeddingRequest)
+
+
+@post("/v1/embeddings", status_code=200)
+async def embeddings(request: Request) -> Response[bytes]:
+    """OpenAI's embeddings, on models with ``task = "embed"``; concurrent requests share the
+    engine's forward passes."""
+    state = state_of(request)
+    req = decode_body(_embeddings_decoder, await request.body())
+    backend = state.model(req.model, _allowed(request))
+    _check_task(backend, "embed")
+    record = RequestRecord(state.metrics, request_state(request)["request_id"], "embeddings",
+                           model=req.model, backend=backend.config.backend)
+    status, lease, ticket = 500, None, None
+    try:
+        lease = await state.fleet.lease(backend)
+        queue = state.queues[backend.name]
+        ticket = queue.try_acquire() or await queue.acquire(0)
+        body, used = await backend.embed(req)
+        record.usage(used, 0)
+        status = 200
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        if ticket is not None:
+            ticket.release()
+        if lease is not None:
+            lease.release()
+        record.close(status)
+    return json_response(body, headers=_rid_header(request))
 
 
 # --- vocabulary -----------------------------------------------------------------------------
@@ -505,5 +552,5 @@ async def unload_lora_adapter(request: Request) -> Response[str]:
     return _plain(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", request)
 
 
-ROUTES = [chat_completions, completions, messages, count_tokens, tokenize, detokenize, list_models, get_model, health, version, metrics, openapi,
+ROUTES = [chat_completions, completions, messages, count_tokens, embeddings, tokenize, detokenize, list_models, get_model, health, version, metrics, openapi,
           load_model, unload_model, load_lora_adapter, unload_lora_adapter]

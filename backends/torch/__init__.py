@@ -130,18 +130,24 @@ class TorchBackend(LocalBackend):
 
     Config = TorchConfig
     config: TorchConfig
+    tasks = frozenset({"generate", "embed"})
 
     @classmethod
     def estimate_memory(cls, config: TorchConfig, base_dir: Path) -> Footprint:  # type: ignore[override]
-        from .estimate import estimate
+        from .estimate import estimate, estimate_embedder
 
         try:
             path = resolve_path(config.path, base_dir)
         except ValueError:
             return Footprint()
-        return estimate(config, path)
+        return estimate_embedder(path) if config.task == "embed" else estimate(config, path)
 
     def create_engine(self) -> Engine:
+        if self.config.task == "embed":
+            from .embedder import EmbeddingEngine
+
+            return EmbeddingEngine(resolve_path(self.config.path, self.base_dir), num_threads=self.config.num_threads,
+                                   dtype=self.config.dtype)  # type: ignore[return-value]
         from .setup import build_engine
 
         adapters = {name: resolve_path(path, self.base_dir) for name, path in self.config.lora_modules.items()}

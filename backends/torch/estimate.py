@@ -14,7 +14,7 @@ import math
 import struct
 from pathlib import Path
 
-from router.footprint import Footprint
+from router.footprint import Footprint, file_bytes
 
 RUNTIME = 480 << 20
 """A torch worker before its weights and cache: torch, transformers and the tokenizers
@@ -62,3 +62,9 @@ def estimate(config, path: Path) -> Footprint:  # type: ignore[no-untyped-def]
         weights = total * (4 if dtype == "float32" else 2)
     cache = int(config.kv_cache_gb * (1 << 30)) if config.kv_cache_gb is not None else (0 if on_gpu else 1 << 30)
     return Footprint(weights=int(weights), cache=cache, runtime=RUNTIME)
+
+
+def estimate_embedder(path: Path) -> Footprint:
+    """An embedding model (``task = "embed"``): its weights as stored (a zip holds them about
+    as large), no KV cache, the same process cost."""
+    return Footprint(weights=file_bytes(path), runtime=RUNTIME)

@@ -113,7 +113,7 @@ class WorkerEngine:
         self._proc: asyncio.subprocess.Process | None = None
         self._protocol = FrameProtocol(ToRouter, self._receive, self._lost)
         self._requests: dict[int, StepQueue] = {}
-        self._calls: dict[int, asyncio.Future[None]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count()
         self._stats: dict[str, Any] = {"running": 0, "waiting": 0}
         self._death: str | None = None  # why requests can no longer run
@@ -236,20 +236,20 @@ class WorkerEngine:
             future = self._calls.pop(message.cid, None)
             if future is not None and not future.done():
                 if message.error is None:
-                    future.set_result(None)
+                    future.set_result(message.result)
                 else:
                     future.set_exception(error_of(message.error))
         elif isinstance(message, (Ready, LoadFailed)) and not self._ready.done():
             self._ready.set_result(message)
 
-    async def _call(self, method: str, *args: Any) -> None:
+    async def _call(self, method: str, *args: Any) -> Any:
         if self._death is not None:
             raise WorkerLost(self._death)
         cid = next(self._ids)
         future = self._calls[cid] = self._loop.create_future()
         self._protocol.send(Call(cid, method, list(args)))
         try:
-            await future
+            return await future
         finally:
             self._calls.pop(cid, None)
 
@@ -293,6 +293,11 @@ class WorkerEngine:
 
     async def remove_adapter(self, name: str) -> None:
         await self._call("remove_adapter", name)
+
+    async def embed(self, inputs: list[list[int]], dimensions: int | None = None) -> list[bytes]:
+        """An embedding model's vectors for ``inputs`` (float32 little-endian, one per input),
+        cut to ``dimensions`` where the model allows it."""
+        return await self._call("embed", inputs, dimensions)
 
 
 class InlineEngine:
@@ -347,6 +352,9 @@ class InlineEngine:
 
     async def remove_adapter(self, name: str) -> None:
         await self.engine.remove_adapter(name)  # type: ignore[attr-defined]
+
+    async def embed(self, inputs: list[list[int]], dimensions: int | None = None) -> list[bytes]:
+        return await self.engine.embed(inputs, dimensions)  # type: ignore[attr-defined]
 
 
 async def launch(backend: "LocalBackend") -> WorkerEngine | InlineEngine:

@@ -133,8 +133,11 @@ class EngineHost:
         return await asyncio.to_thread(plan.build, self.grammars)
 
     async def _call(self, call: Call) -> None:
+        result = None
         try:
-            if call.method == "check_constraint":
+            if call.method == "embed":
+                result = await self.engine.embed(*call.args)  # type: ignore[attr-defined]
+            elif call.method == "check_constraint":
                 spec = msgspec.convert(call.args[0], ConstraintSpec)
                 await asyncio.to_thread(self.grammars.constraint, spec)
             elif call.method == "add_adapter":
@@ -146,7 +149,7 @@ class EngineHost:
         except Exception as exc:  # noqa: BLE001 - answered to the caller
             self._send(Reply(call.cid, failure_of(call.cid, exc)))
         else:
-            self._send(Reply(call.cid))
+            self._send(Reply(call.cid, result=result))
 
     # --- to the router --------------------------------------------------------------------
 

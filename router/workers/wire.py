@@ -43,7 +43,8 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 class Call(msgspec.Struct, tag=True, array_like=True):
     """A command answered by one :class:`Reply`: ``check_constraint`` (compile a grammar, or
-    say why it does not), ``add_adapter``, ``remove_adapter``."""
+    say why it does not), ``add_adapter``, ``remove_adapter``, ``embed`` (token id lists in,
+    one float32 vector each out)."""
 
     cid: int
     method: str
@@ -89,6 +90,7 @@ class Steps(msgspec.Struct, tag=True, array_like=True):
 class Reply(msgspec.Struct, tag=True, array_like=True):
     cid: int
     error: Failure | None = None
+    result: Any = None
 
 
 ToWorker = Union[Load, Generate, Abort, Call, Stop]

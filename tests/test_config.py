@@ -19,10 +19,18 @@ def problems(text: str, base_dir: Path = Path(".")) -> list[str]:
 
 def test_default_router_toml_is_valid():
     cfg = parse_config(Path("router.toml").read_bytes(), BACKENDS)
-    llama, torch_model = cfg.models
+    llama, torch_model, minilm = cfg.models
     assert isinstance(llama, LlamaCppConfig) and llama.name == "smollm2" and llama.path.startswith("pkg:")
     assert isinstance(torch_model, TorchConfig) and torch_model.name == "smollm2-torch"
+    assert isinstance(minilm, TorchConfig) and minilm.task == "embed" and minilm.preload
     assert cfg.server.port == 8000
+
+
+def test_a_task_its_backend_cannot_do_is_refused_by_name():
+    (p,) = problems('[[models]]\nname="a"\nbackend="llamacpp"\npath="x.gguf"\ntask="embed"\n')
+    assert p.startswith("models[0].task") and "`generate`" in p
+    (p,) = problems('[[models]]\nname="a"\nbackend="torch"\npath="x"\ntask="rank"\n')
+    assert p.startswith("models[0].task")
 
 
 def test_backend_options_are_decoded_by_the_backend_type():

@@ -25,7 +25,8 @@ max_prompts = 4
 def fuzz_target(tmp_path_factory):
     # Small contexts and max_tokens_limit keep each accepted request short.
     config = LIMITS + llamacpp_config("smollm2", n_ctx=256, extra="max_tokens_limit = 8") + torch_config(
-        "smollm2-torch", max_model_len=256, extra="max_tokens_limit = 8")
+        "smollm2-torch", max_model_len=256, extra="max_tokens_limit = 8") + (
+        '[[models]]\nname = "minilm"\nbackend = "torch"\ntask = "embed"\npath = "pkg:all_minilm_l6_v2/model.zip"\n')
     router = RouterProcess(config, tmp_path_factory.mktemp("fuzz"))
     yield router
     router.stop()
@@ -35,12 +36,12 @@ def test_openapi_document_describes_every_endpoint(fuzz_target):
     doc = httpx.get(f"{fuzz_target.url}/schema/openapi.json").json()
     assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}",
                                  "/tokenize", "/detokenize", "/health", "/version", "/metrics", "/models/load",
-                                 "/models/unload", "/v1/messages", "/v1/messages/count_tokens"}
+                                 "/models/unload", "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings"}
     assert doc["paths"]["/models/unload"]["post"]["responses"]["409"]
-    assert doc["components"]["schemas"]["ModelName"]["properties"]["model"]["enum"] == ["smollm2", "smollm2-torch"]
+    assert doc["components"]["schemas"]["ModelName"]["properties"]["model"]["enum"] == ["smollm2", "smollm2-torch", "minilm"]
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert "messages" in chat["required"] and "top_k" in chat["properties"]  # plugin fields included
-    assert chat["properties"]["model"]["enum"] == ["smollm2", "smollm2-torch"]
+    assert chat["properties"]["model"]["enum"] == ["smollm2", "smollm2-torch", "minilm"]
     assert chat["additionalProperties"] is False
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
+from .engine import EngineError
 from .errors import BadRequest
 
 if TYPE_CHECKING:
@@ -110,7 +111,13 @@ async def embed(backend: "LocalBackend", req: EmbeddingRequest) -> tuple[bytes, 
                 raise BadRequest(f"`input[{i}]` has token id {bad}, outside the vocabulary (0 to {tok.vocab_size - 1}).",
                                  param=f"input[{i}]")
         ids = [_fit(list(x), limit, 0, i, req.truncate_prompt_tokens) for i, x in enumerate(inputs)]  # type: ignore[arg-type]
-    rows = np.frombuffer(b"".join(await engine.embed(ids, req.dimensions)), dtype="<f4").reshape(len(ids), -1)
+    try:
+        vectors = await engine.embed(ids, req.dimensions)
+    except EngineError as exc:  # its worker died under it (503), or the engine failed (500)
+        from .serving import engine_failure
+
+        raise engine_failure(exc) from None
+    rows = np.frombuffer(b"".join(vectors), dtype="<f4").reshape(len(ids), -1)
     data = [Embedding(embedding=base64.b64encode(row.tobytes()).decode() if req.encoding_format == "base64"
                       else row.tolist(), index=i) for i, row in enumerate(rows)]
     used = sum(len(x) for x in ids)

@@ -434,7 +434,7 @@ def _check_beam_search(params: GenerationParams) -> None:
             raise BadRequest(f"{name} cannot be combined with use_beam_search.", param=name)
 
 
-def _engine_failure(exc: EngineError) -> APIError:
+def engine_failure(exc: EngineError) -> APIError:
     """What the client sees of an engine's failure: a 500, except for an adapter unloaded after
     the request found it (a model that no longer exists: 404) and a worker process that ended
     under it (503: the model loads again on the next request)."""
@@ -564,7 +564,7 @@ async def chat(backend: "LocalBackend", request: Any, params: GenerationParams) 
         async for _ in gen.run():
             pass
     except EngineError as exc:
-        raise _engine_failure(exc) from None
+        raise engine_failure(exc) from None
     choices = [
         ChatChoice(
             index=c.index,
@@ -782,7 +782,7 @@ async def _chat_stream(
         yield sse.event(exc.to_json())
     except EngineError as exc:
         _failed(gen)
-        yield sse.event(_engine_failure(exc).to_json())
+        yield sse.event(engine_failure(exc).to_json())
     except Exception:  # noqa: BLE001 - a stream can only end with an error event now
         _failed(gen)
         log.exception("stream %s failed", gen.request_id)
@@ -860,7 +860,7 @@ async def complete(backend: "LocalBackend", request: Any, params: GenerationPara
         async for _ in gen.run():
             pass
     except EngineError as exc:
-        raise _engine_failure(exc) from None
+        raise engine_failure(exc) from None
     choices = []
     for c in gen.choices:
         echo = echoes[c.prompt_index]
@@ -966,7 +966,7 @@ async def _completion_stream(
         yield sse.event(exc.to_json())
     except EngineError as exc:
         _failed(gen)
-        yield sse.event(_engine_failure(exc).to_json())
+        yield sse.event(engine_failure(exc).to_json())
     except Exception:  # noqa: BLE001
         _failed(gen)
         log.exception("stream %s failed", gen.request_id)

@@ -24,7 +24,7 @@ MAX_INPUTS = 2048
 """Inputs one request may carry (OpenAI's limit)."""
 
 
-class EmbeddingRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+class EmbeddingRequest(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     model: str
     input: Union[str, list[Union[str, int, list[int]]]]
     """A text, texts, a list of token ids, or lists of token ids."""

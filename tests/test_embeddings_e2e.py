@@ -16,6 +16,7 @@ import pytest
 from backends.torch.embedder import model_folder
 from router.config import resolve_path
 from server import RouterProcess, llamacpp_config
+from upstreams import FaultUpstream
 from workers_util import wait_for
 
 MINILM = "pkg:all_minilm_l6_v2/model.zip"
@@ -152,3 +153,38 @@ def test_concurrent_requests_share_forward_passes(router, reference):
     wait_for(lambda: engine_stats(router)["embed_inputs"] - before["embed_inputs"] == 64, what="the stats")
     passes = engine_stats(router)["embed_passes"] - before["embed_passes"]
     assert passes < 16, passes  # 16 requests in fewer forward passes: they were batched together
+
+
+# --- a remote embedding model -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    with FaultUpstream(name="up") as up:
+        yield up
+
+
+@pytest.fixture(scope="module")
+def relay(upstream, tmp_path_factory):
+    config = ('[[models]]\nname = "relayed"\nbackend = "remote"\ntask = "embed"\nupstream_model = "up-embed"\n'
+              f'health_check_interval = 0\nmax_attempts = 1\n[[models.deployments]]\nurl = "{upstream.url}"\n')
+    r = RouterProcess(config, tmp_path_factory.mktemp("embeddings_remote"), name="relay")
+    yield r
+    r.stop()
+
+
+def test_a_remote_embedding_model_is_relayed(relay, upstream):
+    upstream.reset("ok")
+    sdk = openai.OpenAI(base_url=f"{relay.url}/v1", api_key="x", max_retries=0)
+    got = sdk.embeddings.create(model="relayed", input=["a", "b", "c"], encoding_format="float")
+    sent = upstream.hits[-1]
+    assert sent["path"] == "/v1/embeddings" and sent["body"] == {"model": "up-embed", "input": ["a", "b", "c"]}
+    sdk.embeddings.create(model="relayed", input="a", encoding_format="base64", dimensions=2)
+    assert upstream.hits[-1]["body"] == {"model": "up-embed", "input": "a", "encoding_format": "base64", "dimensions": 2}
+    assert got.model == "relayed" and [d.embedding[0] for d in got.data] == [0.0, 1.0, 2.0]
+    assert got.usage.prompt_tokens == 9
+    upstream.reset("500")
+    r = httpx.post(f"{relay.url}/v1/embeddings", json={"model": "relayed", "input": "a"})
+    assert r.status_code == 502 and "upstream exploded" in r.text
+    r = httpx.post(f"{relay.url}/v1/chat/completions", json={"model": "relayed", "messages": [{"role": "user", "content": "a"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task"

@@ -173,6 +173,11 @@ class FaultUpstream:
         await self._send(send, status, _json(obj), b"application/json", headers)
 
     def _completion(self, request: dict, path: str) -> dict:
+        if path.endswith("/embeddings"):  # a vector of 4 per input, the input's index first
+            given = request["input"]
+            count = 1 if isinstance(given, str) or (given and isinstance(given[0], int)) else len(given)
+            return {"object": "list", "model": request["model"], "usage": {"prompt_tokens": 3 * count, "total_tokens": 3 * count},
+                    "data": [{"object": "embedding", "index": i, "embedding": [float(i), 0.5, 0.25, 0.125]} for i in range(count)]}
         words = "".join(f" w{i}" for i in range(self.events))
         usage = {"prompt_tokens": 5, "completion_tokens": self.events, "total_tokens": 5 + self.events}
         if path.endswith("/chat/completions"):

@@ -31,6 +31,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from router.backend import Backend, Reply
 from router.errors import Unavailable
 from router.hookspecs import hookimpl
@@ -56,6 +58,7 @@ class RemoteBackend(Backend):
     """
 
     Config = RemoteConfig
+    tasks = frozenset({"generate", "embed"})
     config: RemoteConfig
 
     def __init__(self, config: RemoteConfig, base_dir: Path = Path(".")) -> None:
@@ -160,6 +163,15 @@ class RemoteBackend(Backend):
     async def complete(self, request: Any, params: GenerationParams) -> Reply:
         assert self._relay is not None
         return await self._relay.request("completions", request, params)
+
+    async def embed(self, request: Any) -> tuple[bytes, int]:
+        """``/v1/embeddings`` relayed as it came (the upstream's model name put in), with the
+        same balancing, failover and error mapping as generation."""
+        assert self._relay is not None
+        reply = await self._relay.request("embeddings", request, GenerationParams())
+        assert isinstance(reply, bytes)
+        usage = msgspec.json.decode(reply).get("usage") or {}
+        return reply, usage.get("prompt_tokens", 0) if isinstance(usage, dict) else 0
 
 
 @hookimpl

@@ -33,6 +33,8 @@ def plugin_fields(request_type: type) -> tuple[tuple[str, Any], ...]:
     """``(name, default)`` of each field of a composed request type that a plugin declared."""
     fields = _plugin_fields.get(request_type)
     if fields is None:
+        if not issubclass(request_type, (ChatCompletionRequest, CompletionRequest)):
+            return ()  # a type no plugin composes into (embeddings): every field is its own
         core = _CORE[0] if issubclass(request_type, ChatCompletionRequest) else _CORE[1]
         names = request_type.__struct_fields__
         defaults = request_type.__struct_defaults__

@@ -34,7 +34,7 @@ log = logging.getLogger("router.remote")
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
-PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
 
 
 class UpstreamFailure(Exception):

@@ -32,6 +32,16 @@ def server(tmp_path_factory):
     router.stop()
 
 
+@pytest.fixture(scope="module")
+def upstream():
+    """An OpenAI-shaped upstream on loopback that answers well until told otherwise
+    (tests/upstreams.py's ``FaultUpstream``)."""
+    from upstreams import FaultUpstream
+
+    with FaultUpstream(name="up") as up:
+        yield up
+
+
 @pytest.fixture(scope="session")
 def base_url(server):
     return server.url

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from server import RouterProcess, llamacpp_config
-from upstreams import FaultUpstream
+from upstreams import remote_model
 from workers_util import workers
 
 WEATHER = {"name": "get_weather", "description": "Current weather in a city.",
@@ -130,15 +130,9 @@ def test_errors_take_anthropics_envelope(claude, base_url):
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    with FaultUpstream(name="up") as up:
-        yield up
-
-
-@pytest.fixture(scope="module")
 def front(upstream, tmp_path_factory):
-    config = ('[server]\napi_keys = ["sekret"]\n\n[[models]]\nname = "relay"\nbackend = "remote"\n'
-              f'upstream_model = "up"\nhealth_check_interval = 0\n[[models.deployments]]\nurl = "{upstream.url}"\n'
+    config = ('[server]\napi_keys = ["sekret"]\n' + remote_model("relay", upstream.url, upstream_model='"up"',
+                                                                 health_check_interval="0")
               + llamacpp_config("lazy", extra="preload = false"))
     router = RouterProcess(config, tmp_path_factory.mktemp("anthropic_remote"), name="front")
     yield router

@@ -16,7 +16,7 @@ import pytest
 from backends.torch.embedder import model_folder
 from router.config import resolve_path
 from server import RouterProcess, llamacpp_config
-from upstreams import FaultUpstream
+from upstreams import remote_model
 from workers_util import wait_for
 
 MINILM = "pkg:all_minilm_l6_v2/model.zip"
@@ -159,15 +159,9 @@ def test_concurrent_requests_share_forward_passes(router, reference):
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    with FaultUpstream(name="up") as up:
-        yield up
-
-
-@pytest.fixture(scope="module")
 def relay(upstream, tmp_path_factory):
-    config = ('[[models]]\nname = "relayed"\nbackend = "remote"\ntask = "embed"\nupstream_model = "up-embed"\n'
-              f'health_check_interval = 0\nmax_attempts = 1\n[[models.deployments]]\nurl = "{upstream.url}"\n')
+    config = remote_model("relayed", upstream.url, task='"embed"', upstream_model='"up-embed"',
+                          health_check_interval="0", max_attempts="1")
     r = RouterProcess(config, tmp_path_factory.mktemp("embeddings_remote"), name="relay")
     yield r
     r.stop()

@@ -50,6 +50,13 @@ GARBAGE = b"{\"choices\": [oops"
 TRT_MESSAGE = "Unrecognized field: 'top_k' is not permitted"
 
 
+def remote_model(name: str, url: str, **settings: str) -> str:
+    """A ``remote`` ``[[models]]`` entry with one deployment at ``url``; ``settings`` are TOML
+    values as written (``task='"embed"'``, ``health_check_interval="0"``)."""
+    keys = "".join(f"{k} = {v}\n" for k, v in settings.items())
+    return f'\n[[models]]\nname = "{name}"\nbackend = "remote"\n{keys}[[models.deployments]]\nurl = "{url}"\n'
+
+
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 

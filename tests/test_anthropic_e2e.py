@@ -263,3 +263,37 @@ def test_what_claude_code_sends_is_answered(front, upstream):
     sent = upstream.hits[-1]["body"]
     assert [m["role"] for m in sent["messages"]] == ["system", "user", "system"] and len(sent["tools"]) == 24
     assert sent["max_tokens"] == 32000  # a remote model's context is its upstream's to enforce
+
+
+# --- a thinking model -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    from test_reasoning_e2e import THINKING_TEMPLATE  # SmolLM2 answering inside an open <think>
+
+    tmp = tmp_path_factory.mktemp("anthropic_thinking")
+    template = tmp / "think.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    router = RouterProcess(llamacpp_config("r1", extra=f'chat_template = "{template}"\nreasoning_parser = "deepseek_r1"'),
+                           tmp, name="thinker")
+    yield router
+    router.stop()
+
+
+def test_a_thinking_models_reasoning_is_a_thinking_block_streamed_or_not(thinker):
+    kw = dict(model="r1", max_tokens=24, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "Is 7 a prime number? Think first."}])
+    chat = openai.OpenAI(base_url=f"{thinker.url}/v1", api_key="x", max_retries=0).chat.completions.create(
+        model="r1", max_tokens=24, temperature=0, messages=kw["messages"])
+    reasoning = (chat.choices[0].message.model_extra or {}).get("reasoning")
+    assert reasoning
+    claude = anthropic.Anthropic(base_url=thinker.url, api_key="x", max_retries=0)
+    got = claude.messages.create(**kw, thinking={"type": "adaptive"}, output_config={"effort": "low"})
+    assert got.content[0].type == "thinking" and got.content[0].thinking == reasoning
+    with claude.messages.stream(**kw) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert kinds[0] == "thinking_delta" and final.content[0].thinking == reasoning
+    hidden = claude.messages.create(**kw, thinking={"type": "disabled"})
+    assert all(b.type != "thinking" for b in hidden.content)  # include_reasoning false: not sent

@@ -9,6 +9,7 @@ requests (backends/torch/embedder.py). Vectors come back as float32; ``encoding_
 from __future__ import annotations
 
 import base64
+import weakref
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import msgspec
@@ -100,8 +101,7 @@ async def embed(backend: "LocalBackend", req: EmbeddingRequest) -> tuple[bytes, 
     inputs = inputs_of(req)
     limit = engine.max_model_len
     if isinstance(inputs[0], str):
-        empty = tok.encode("", add_special_tokens=True)
-        tail = _trailing_specials(tok, empty)
+        tail = _trailing_specials(tok)
         ids = [_fit(tok.encode(t, add_special_tokens=True), limit, tail, i, req.truncate_prompt_tokens)  # type: ignore[arg-type]
                for i, t in enumerate(inputs)]
     else:
@@ -125,12 +125,19 @@ async def embed(backend: "LocalBackend", req: EmbeddingRequest) -> tuple[bytes, 
     return _encode(body), used
 
 
-def _trailing_specials(tok: Any, empty: list[int]) -> int:
-    """How many special tokens the tokenizer puts after a text (BERT's [SEP]: 1)."""
-    if not empty:
-        return 0
+_tails: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _trailing_specials(tok: Any) -> int:
+    """How many special tokens the tokenizer puts after a text (BERT's [SEP]: 1); found once per
+    tokenizer (a loaded model's), forgotten with it."""
+    found = _tails.get(tok)
+    if found is not None:
+        return found
+    empty = tok.encode("", add_special_tokens=True)
     probe = tok.encode("a", add_special_tokens=True)
     same = 0
     while same < len(empty) and same < len(probe) and empty[-1 - same] == probe[-1 - same]:
         same += 1
+    _tails[tok] = same
     return same

